@@ -1,0 +1,1 @@
+//! Benchmarks live in `main.rs`; this library target is empty.

@@ -1,0 +1,433 @@
+//! Command handlers: validate the input, append the request (or observation) to the log with an
+//! id fixed before the first attempt, wait until the fold has applied it, and return the verdict
+//! the fold recorded at that position (DESIGN §1). Nothing here decides; rendering of notices and
+//! wake texts happens here only because it needs bodies read from the cache or the log.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anima_projections::journal::{RowBody, RowMeta};
+use anima_projections::proto::{self, envelope::Payload};
+use anima_projections::render;
+use anima_projections::surface::{slack_message_identity, SurfaceId};
+use anima_projections::verdict::{ClaimVerdict, ClaimedWake, JournalVerdict, Refusal, RefusalKind, SendVerdict, Verdict};
+use bytes::Bytes;
+use prost::Message;
+use uuid::Uuid;
+
+use crate::log::{AppendOutcome, AppendRecord, EventLog, LogError};
+use crate::projection::Projection;
+use crate::subject;
+use crate::validate::{self, invalid};
+
+/// Namespace of the engine's derived (UUID v5) event ids.
+const EVENT_ID_NAMESPACE: Uuid = Uuid::from_u128(0x5d0c_7a4e_2b1f_4c8e_9a37_61f0_c4d2_aa01);
+
+/// Errors of commands, each saying what the client should do. The gateway maps them to gRPC
+/// status codes in one place.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    /// Fix the named field. Nothing was appended.
+    #[error("{field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+    /// The named field is over its size bound. Nothing was appended.
+    #[error("{field}: too large: {reason}")]
+    TooLarge { field: &'static str, reason: String },
+    /// The fold refused the request at its place in the log.
+    #[error("{}", .0.message)]
+    Refused(Refusal),
+    /// The log is down or slow; retry with the same request id.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// Fail closed: the store is inconsistent, the fold stopped, or the verdict is gone.
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+}
+
+impl From<LogError> for CommandError {
+    fn from(error: LogError) -> Self {
+        match error {
+            LogError::Unavailable(m) => CommandError::Unavailable(m),
+            LogError::Store(m) => CommandError::FailedPrecondition(format!("event log: {m}")),
+            LogError::Invalid(m) => CommandError::InvalidArgument { field: "event", reason: m },
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// How long a handler waits for the fold to apply its request.
+    pub verdict_wait: Duration,
+    /// Source name stamped on appended envelopes.
+    pub source: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { verdict_wait: Duration::from_secs(10), source: "anima-wake".into() }
+    }
+}
+
+/// The command side of one engine instance.
+#[derive(Clone)]
+pub struct Engine {
+    log: Arc<dyn EventLog>,
+    projection: Arc<Projection>,
+    config: EngineConfig,
+}
+
+/// A Slack observation as a connector reports it: the message and every agent that received it.
+#[derive(Clone, Debug)]
+pub struct SlackObservation {
+    pub receiving_agent_ids: Vec<String>,
+    /// The message; its `receiving_agent_id` is ignored and set per receiver.
+    pub message: proto::SlackMessageObserved,
+    pub occurred_at_ms: i64,
+}
+
+/// What one appended observation became.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IngestOutcome {
+    pub agent: String,
+    pub seq: u64,
+    pub duplicate_event: bool,
+    pub journal: JournalVerdict,
+}
+
+#[derive(Clone, Debug)]
+pub struct SendDecision {
+    pub seq: u64,
+    pub verdict: SendVerdict,
+    /// The notice to show when held.
+    pub notice: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ClaimOutcome {
+    pub seq: u64,
+    pub wake: Option<ClaimedWakeText>,
+    pub settled_without_turn: Vec<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ClaimedWakeText {
+    pub claimed: ClaimedWake,
+    pub text: String,
+}
+
+impl Engine {
+    pub fn new(log: Arc<dyn EventLog>, projection: Arc<Projection>, config: EngineConfig) -> Self {
+        Engine { log, projection, config }
+    }
+
+    pub fn projection(&self) -> &Arc<Projection> {
+        &self.projection
+    }
+
+    pub fn log(&self) -> &Arc<dyn EventLog> {
+        &self.log
+    }
+
+    fn envelope(&self, event_id: String, occurred_at_ms: i64, payload: Payload) -> proto::Envelope {
+        proto::Envelope {
+            event_id,
+            occurred_at_ms,
+            min_reader_version: 1,
+            source: self.config.source.clone(),
+            payload: Some(payload),
+        }
+    }
+
+    fn record(subject: String, envelope: &proto::Envelope) -> AppendRecord {
+        AppendRecord { subject, msg_id: envelope.event_id.clone(), payload: Bytes::from(envelope.encode_to_vec()) }
+    }
+
+    /// Waits for the fold to apply `seq` and returns its verdict.
+    async fn verdict_at(&self, seq: u64) -> Result<Verdict, CommandError> {
+        self.projection
+            .wait_applied(seq, self.config.verdict_wait)
+            .await
+            .map_err(|e| CommandError::Unavailable(e.to_string()))?;
+        let state = self.projection.state();
+        if let Some(halt) = state.halted_at_or_before(seq) {
+            return Err(CommandError::FailedPrecondition(format!(
+                "this instance stopped deciding at seq {}: {}",
+                halt.seq, halt.reason
+            )));
+        }
+        match state.verdict(seq) {
+            Some(Verdict::Refused(refusal)) => Err(CommandError::Refused(refusal.clone())),
+            Some(verdict) => Ok(verdict.clone()),
+            None => Err(CommandError::FailedPrecondition(format!(
+                "no verdict is kept for seq {seq} (too old, or not a request); send a new request"
+            ))),
+        }
+    }
+
+    async fn append_and_decide(&self, subject: String, envelope: &proto::Envelope) -> Result<(AppendOutcome, Verdict), CommandError> {
+        let outcome = self.log.append(Self::record(subject, envelope)).await?;
+        let verdict = self.verdict_at(outcome.seq()).await?;
+        Ok((outcome, verdict))
+    }
+
+    fn require_agent(&self, field: &'static str, agent: &str) -> Result<(), CommandError> {
+        validate::id(field, agent)?;
+        if self.projection.state().agents.contains_key(&agent.to_owned()) {
+            Ok(())
+        } else {
+            Err(invalid(field, format!("unknown agent {agent:?}")))
+        }
+    }
+
+    fn request_event_id(request_id: &str) -> Result<String, CommandError> {
+        Ok(validate::request_id(request_id)?.unwrap_or_else(Uuid::now_v7).to_string())
+    }
+
+    /// Registers (or re-registers) an agent with its Slack identities.
+    pub async fn register_agent(&self, registration: proto::AgentRegistered) -> Result<u64, CommandError> {
+        validate::id("agent_id", &registration.agent_id)?;
+        validate::slack_id("slack_bot_user_id", &registration.slack_bot_user_id, false)?;
+        validate::slack_id("slack_bot_id", &registration.slack_bot_id, false)?;
+        validate::bounded("display_name", &registration.display_name, validate::USER_NAME_BYTES_MAX)?;
+        // Same registration content, same id: instances starting with one config dedupe.
+        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, &[b"agent\0".as_slice(), &registration.encode_to_vec()].concat());
+        let envelope = self.envelope(event_id.to_string(), 0, Payload::AgentRegistered(registration.clone()));
+        let (outcome, _) = self.append_and_decide(subject::agent_subject(&registration.agent_id), &envelope).await?;
+        Ok(outcome.seq())
+    }
+
+    /// Appends the agents of the configuration that the log does not hold as configured.
+    /// Returns how many were appended.
+    pub async fn sync_agents(&self, configured: &[proto::AgentRegistered]) -> Result<usize, CommandError> {
+        let mut appended = 0;
+        for registration in configured {
+            let current = self.projection.state().agents.get(&registration.agent_id).cloned();
+            let same = current.is_some_and(|c| {
+                c.slack_bot_user_id == registration.slack_bot_user_id
+                    && c.slack_bot_id == registration.slack_bot_id
+                    && c.display_name == registration.display_name
+            });
+            if !same {
+                self.register_agent(registration.clone()).await?;
+                appended += 1;
+            }
+        }
+        Ok(appended)
+    }
+
+    /// Appends one event per receiving agent, with ids derived from (identity, delivery kind,
+    /// receiver) so connector retries dedupe in the log.
+    pub async fn ingest_slack(&self, observation: SlackObservation) -> Result<Vec<IngestOutcome>, CommandError> {
+        let message = &observation.message;
+        if observation.receiving_agent_ids.is_empty() {
+            return Err(invalid("receiving_agent_ids", "must name at least one agent"));
+        }
+        if observation.receiving_agent_ids.len() > validate::RECEIVERS_MAX {
+            return Err(CommandError::TooLarge { field: "receiving_agent_ids", reason: format!("at most {}", validate::RECEIVERS_MAX) });
+        }
+        for agent in &observation.receiving_agent_ids {
+            self.require_agent("receiving_agent_ids", agent)?;
+        }
+        let kind = proto::SlackDeliveryKind::try_from(message.kind)
+            .ok()
+            .filter(|k| *k != proto::SlackDeliveryKind::Unspecified)
+            .ok_or_else(|| invalid("kind", "must be MESSAGE or APP_MENTION"))?;
+        validate::slack_id("team_id", &message.team_id, true)?;
+        validate::slack_id("channel_id", &message.channel_id, true)?;
+        validate::slack_ts("ts", &message.ts, true)?;
+        validate::slack_ts("thread_ts", &message.thread_ts, false)?;
+        validate::slack_id("user_id", &message.user_id, false)?;
+        validate::slack_id("bot_id", &message.bot_id, false)?;
+        validate::bounded("subtype", &message.subtype, validate::SLACK_SUBTYPE_BYTES_MAX)?;
+        validate::slack_text("text", &message.text)?;
+        validate::bounded("user_name", &message.user_name, validate::USER_NAME_BYTES_MAX)?;
+        validate::files("files", &message.files)?;
+
+        let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
+        let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
+        let subject = subject::slack_surface_subject(&message.team_id, &message.channel_id, surface.thread_ts());
+        let mut records = Vec::with_capacity(observation.receiving_agent_ids.len());
+        for agent in &observation.receiving_agent_ids {
+            let key = format!("slack-message\0{identity}\0{}\0{agent}", kind.as_str_name());
+            let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+            let observed = proto::SlackMessageObserved { receiving_agent_id: agent.clone(), ..message.clone() };
+            let envelope = self.envelope(event_id, observation.occurred_at_ms, Payload::SlackMessage(observed));
+            records.push((agent.clone(), Self::record(subject.clone(), &envelope)));
+        }
+        let outcomes = if records.len() == 1 {
+            vec![self.log.append(records[0].1.clone()).await?]
+        } else {
+            self.log.append_batch(records.iter().map(|(_, r)| r.clone()).collect()).await?
+        };
+        let mut results = Vec::with_capacity(outcomes.len());
+        for ((agent, _), outcome) in records.into_iter().zip(outcomes) {
+            let journal = match self.verdict_at(outcome.seq()).await? {
+                Verdict::Journaled(journal) => journal,
+                other => return Err(unexpected(other)),
+            };
+            results.push(IngestOutcome { agent, seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), journal });
+        }
+        Ok(results)
+    }
+
+    fn target_surface(target: Option<&proto::ReplyTarget>) -> Result<SurfaceId, CommandError> {
+        let Some(proto::ReplyTarget { target: Some(proto::reply_target::Target::Slack(slack)) }) = target else {
+            return Err(invalid("target", "must be a Slack target"));
+        };
+        validate::slack_id("target.team_id", &slack.team_id, true)?;
+        validate::slack_id("target.channel_id", &slack.channel_id, true)?;
+        validate::slack_ts("target.thread_ts", &slack.thread_ts, false)?;
+        SurfaceId::from_target(target.expect("checked above")).ok_or_else(|| invalid("target", "is empty"))
+    }
+
+    fn send_kind(kind: i32) -> Result<proto::SendKind, CommandError> {
+        proto::SendKind::try_from(kind)
+            .ok()
+            .filter(|k| *k != proto::SendKind::Unspecified)
+            .ok_or_else(|| invalid("kind", "must be MESSAGE, ASK or FILE"))
+    }
+
+    /// Asks before a post; returns the fold's verdict at the request's place in the log, with the
+    /// rendered notice when held.
+    pub async fn send(&self, request: proto::SendRequested, request_id: &str) -> Result<SendDecision, CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        let surface = Self::target_surface(request.target.as_ref())?;
+        Self::send_kind(request.kind)?;
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::Send(request.clone()));
+        let subject = surface_subject(&surface);
+        let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
+        let Verdict::Send(verdict) = verdict else { return Err(unexpected(verdict)) };
+        let notice = match &verdict {
+            SendVerdict::Allowed { .. } => None,
+            SendVerdict::Held(held) => {
+                let bodies = self.row_bodies(&held.shown).await?;
+                let rows: Vec<(&RowMeta, &RowBody)> = held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
+                Some(render::render_held_notice(&request.agent_id, held.new_messages, held.omitted, &rows))
+            }
+        };
+        Ok(SendDecision { seq: outcome.seq(), verdict, notice })
+    }
+
+    async fn row_bodies(&self, rows: &[RowMeta]) -> Result<Vec<Arc<RowBody>>, CommandError> {
+        let seqs: Vec<u64> = rows.iter().map(|r| r.seq).collect();
+        let bodies = self.projection.bodies(&seqs).await?;
+        seqs.iter()
+            .map(|seq| bodies.get(seq).cloned().ok_or_else(|| CommandError::FailedPrecondition(format!("body of seq {seq} missing"))))
+            .collect()
+    }
+
+    /// Journals the agent's own post.
+    pub async fn confirm(&self, confirmation: proto::SendConfirmed) -> Result<IngestOutcome, CommandError> {
+        self.require_agent("agent_id", &confirmation.agent_id)?;
+        let surface = Self::target_surface(confirmation.target.as_ref())?;
+        let kind = Self::send_kind(confirmation.kind)?;
+        validate::slack_ts("ts", &confirmation.ts, true)?;
+        validate::slack_text("text", &confirmation.text)?;
+        validate::files("files", &confirmation.files)?;
+        let key = format!("confirm\0{}\0{surface}\0{}\0{}", confirmation.agent_id, confirmation.ts, kind.as_str_name());
+        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+        let envelope = self.envelope(event_id, 0, Payload::SendConfirmed(confirmation.clone()));
+        let (outcome, verdict) = self.append_and_decide(surface_subject(&surface), &envelope).await?;
+        let Verdict::Journaled(journal) = verdict else { return Err(unexpected(verdict)) };
+        Ok(IngestOutcome { agent: confirmation.agent_id, seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), journal })
+    }
+
+    /// Claims the agent's oldest claimable wake (or a named one) for a worker.
+    pub async fn claim(&self, request: proto::WakeClaimRequested, request_id: &str) -> Result<ClaimOutcome, CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        validate::id("worker_id", &request.worker_id)?;
+        if !request.item_id.is_empty() {
+            validate::bounded("item_id", &request.item_id, 512)?;
+        }
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::WakeClaim(request.clone()));
+        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        match verdict {
+            Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn }) => {
+                Ok(ClaimOutcome { seq: outcome.seq(), wake: None, settled_without_turn })
+            }
+            Verdict::Claim(ClaimVerdict::Claimed(claimed)) => {
+                let mut rows = claimed.rows.clone();
+                rows.push(claimed.item.trigger.clone());
+                let bodies = self.row_bodies(&rows).await?;
+                let (trigger_body, row_bodies) = bodies.split_last().expect("the trigger was pushed");
+                let shown: Vec<(&RowMeta, &RowBody)> =
+                    claimed.rows.iter().zip(row_bodies.iter().map(|b| b.as_ref())).collect();
+                let text = render::render_wake_text(&request.agent_id, &claimed, trigger_body, &shown);
+                let settled_without_turn = claimed.settled_without_turn.clone();
+                Ok(ClaimOutcome {
+                    seq: outcome.seq(),
+                    wake: Some(ClaimedWakeText { claimed: *claimed, text }),
+                    settled_without_turn,
+                })
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Starts a claimed wake with the plan the claim gave; refused (Aborted) when stale.
+    pub async fn start(&self, request: proto::WakeStartRequested, request_id: &str) -> Result<u64, CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        validate::id("worker_id", &request.worker_id)?;
+        validate::bounded("item_id", &request.item_id, 512)?;
+        if request.plan.is_empty() || request.plan.len() > 16 {
+            return Err(invalid("plan", "must hold the 1..=16 surfaces the claim gave"));
+        }
+        for entry in &request.plan {
+            if SurfaceId::parse(&entry.surface).is_none() {
+                return Err(invalid("plan.surface", format!("{:?} is not a surface key", entry.surface)));
+            }
+        }
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::WakeStart(request.clone()));
+        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        match verdict {
+            Verdict::Started { .. } => Ok(outcome.seq()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Finishes a claimed or running wake.
+    pub async fn finish(&self, request: proto::WakeFinishRequested, request_id: &str) -> Result<(u64, bool), CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        validate::id("worker_id", &request.worker_id)?;
+        validate::bounded("item_id", &request.item_id, 512)?;
+        validate::bounded("reason", &request.reason, validate::REASON_BYTES_MAX)?;
+        match proto::WakeOutcome::try_from(request.outcome) {
+            Ok(proto::WakeOutcome::Unspecified) | Err(_) => {
+                return Err(invalid("outcome", "must be COMPLETED, FAILED or ABORTED"))
+            }
+            Ok(proto::WakeOutcome::Aborted) => {}
+            Ok(_) if request.restart_drain => return Err(invalid("restart_drain", "only an ABORTED finish can be a restart drain")),
+            Ok(_) => {}
+        }
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::WakeFinish(request.clone()));
+        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        match verdict {
+            Verdict::Finished { requeued, .. } => Ok((outcome.seq(), requeued)),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// The log subject of a surface.
+pub fn surface_subject(surface: &SurfaceId) -> String {
+    let SurfaceId::Slack { team, channel, thread_ts } = surface;
+    subject::slack_surface_subject(team, channel, thread_ts.as_deref())
+}
+
+fn unexpected(verdict: Verdict) -> CommandError {
+    CommandError::FailedPrecondition(format!("the fold recorded an unexpected verdict: {verdict:?}"))
+}
+
+impl CommandError {
+    /// The refusal kind, when the fold refused.
+    pub fn refusal_kind(&self) -> Option<RefusalKind> {
+        match self {
+            CommandError::Refused(r) => Some(r.kind),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! One engine instance: the data directory (sled: the embedded log, if used, and the
+//! checkpoints), the log backend, the projection runner caught up with the log, and the command
+//! side. The gateway starts one of these and serves it; tests and benchmarks can start several on
+//! one JetStream stream.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::CheckpointStore;
+use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
+use crate::log::EventLog;
+use crate::projection::{Runner, RunnerConfig, RunnerError};
+use crate::{Engine, EngineConfig};
+
+/// Which log the instance uses.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    /// The embedded sled log in the data directory.
+    Embedded(EmbeddedConfig),
+    JetStream(JetStreamConfig),
+}
+
+#[derive(Clone, Debug)]
+pub struct InstanceConfig {
+    /// Holds the embedded log (if used) and the checkpoints. sled locks it: one process at a time.
+    pub data_dir: PathBuf,
+    pub backend: Backend,
+    pub runner: RunnerConfig,
+    pub engine: EngineConfig,
+    /// How long start-up waits for the projection to catch up with the log.
+    pub catch_up_wait: Duration,
+}
+
+impl InstanceConfig {
+    pub fn new(data_dir: impl Into<PathBuf>, backend: Backend) -> Self {
+        InstanceConfig {
+            data_dir: data_dir.into(),
+            backend,
+            runner: RunnerConfig::default(),
+            engine: EngineConfig::default(),
+            catch_up_wait: Duration::from_secs(3600),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstanceError {
+    #[error("opening data dir {path}: {reason} (is another anima-wake using it?)")]
+    DataDir { path: String, reason: String },
+    #[error(transparent)]
+    Log(#[from] crate::log::LogError),
+    #[error(transparent)]
+    Runner(#[from] RunnerError),
+    #[error("catching up with the log: {0}")]
+    CatchUp(String),
+}
+
+/// A started instance. Cancel `shutdown` and await `runner` to stop it with a last checkpoint.
+pub struct Instance {
+    pub engine: Engine,
+    pub backend_name: &'static str,
+    pub shutdown: CancellationToken,
+    pub runner: tokio::task::JoinHandle<Result<(), RunnerError>>,
+}
+
+impl Instance {
+    /// Opens the data dir and the log, restores the projection and waits until it has applied
+    /// everything the log held at start.
+    pub async fn start(config: InstanceConfig) -> Result<Instance, InstanceError> {
+        let data_dir_error = |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| data_dir_error(e.to_string()))?;
+        let db = sled::Config::new().path(&config.data_dir).open().map_err(|e| data_dir_error(e.to_string()))?;
+        let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
+            Backend::Embedded(embedded) => {
+                (Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?), "checkpoint-embedded".into(), "embedded")
+            }
+            Backend::JetStream(jetstream) => (
+                Arc::new(JetStreamLog::connect(jetstream.clone()).await?),
+                format!("checkpoint-jetstream-{}", jetstream.stream),
+                "jetstream",
+            ),
+        };
+        let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
+        let shutdown = CancellationToken::new();
+        let Runner { projection, task } = Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
+        let last = log.last_seq().await?;
+        tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
+        projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
+        let engine = Engine::new(log, projection, config.engine);
+        Ok(Instance { engine, backend_name, shutdown, runner: task })
+    }
+
+    /// Stops the runner, writing a last checkpoint.
+    pub async fn stop(self) -> Result<(), InstanceError> {
+        self.shutdown.cancel();
+        match self.runner.await {
+            Ok(result) => Ok(result?),
+            Err(e) => Err(InstanceError::CatchUp(format!("runner task: {e}"))),
+        }
+    }
+}

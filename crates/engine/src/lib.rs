@@ -1,0 +1,15 @@
+//! IO side of the Anima wake engine: the event log and its two backends, subject encoding, the
+//! projection runner with sled checkpoints, and the command handlers that append a request and
+//! wait for the fold's verdict.
+
+pub mod checkpoint;
+pub mod command;
+pub mod instance;
+pub mod log;
+pub mod projection;
+pub mod subject;
+pub mod testing;
+pub mod validate;
+
+pub use command::{CommandError, Engine, EngineConfig};
+pub use projection::{Projection, Runner, RunnerConfig};

@@ -1,0 +1,893 @@
+//! The embedded event log on sled (DESIGN §3.2): the same semantics as the JetStream stream in
+//! one process, for a single machine, a laptop, tests and the first run.
+//!
+//! Everything lives in ONE sled tree named `log`, because `apply_batch` is atomic within one tree
+//! only. Keys carry a one-byte prefix:
+//!
+//! | key | value | why |
+//! |---|---|---|
+//! | `r` + seq (u64 BE) | record: timestamp, subject, msg id, payload | the log, in seq order |
+//! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
+//! | `t` + timestamp + seq | msg id | finds expired msg ids to prune, oldest first |
+//! | `x` + name | metadata | stream identity, format version |
+//!
+//! "Appended" means flushed. One writer thread owns every write: it drains the pending append
+//! requests (bounded), applies them as one `apply_batch`, calls `flush()` once and only then
+//! answers every request of the group (group commit). No other code path writes or flushes, so
+//! there are never concurrent `flush_async` calls (sled 0.34.7 hangs with seven or more, see
+//! FIELD-NOTES). The writer publishes the last flushed seq on a `watch` channel; readers never
+//! look past it, so nothing unflushed is ever read, and followers wake on it.
+//!
+//! Timestamps are the writer's wall clock made strictly monotonic (`max(now, last + 1ns)`), so
+//! folds see time move forward even when the clock steps back. Reopening recovers the last seq and
+//! timestamp from the tree: whatever was acknowledged is there after a crash.
+//!
+//! sled locks its directory: one process at a time. Open at most one `EmbeddedLog` per `Db`: the
+//! single-writer design is what keeps seqs dense.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::stream::{self, BoxStream, StreamExt};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{
+    validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord,
+    SubjectFilter,
+};
+
+/// Name of the sled tree holding the log; the same `Db` may hold other trees (checkpoints).
+const TREE_NAME: &str = "log";
+
+const PREFIX_RECORD: u8 = b'r';
+const PREFIX_MSG_ID: u8 = b'm';
+const PREFIX_EXPIRY: u8 = b't';
+const PREFIX_META: u8 = b'x';
+
+const META_STREAM_ID: &[u8] = b"stream_id";
+const META_FORMAT: &[u8] = b"format";
+/// Layout version of this tree. A tree written by another layout is refused, never guessed at.
+const FORMAT_VERSION: &[u8] = b"1";
+/// Version byte leading every stored record value.
+const RECORD_VERSION: u8 = 1;
+
+/// Append requests waiting for the writer. Callers wait for room beyond this (backpressure), so
+/// memory stays bounded whatever the append rate.
+const APPEND_REQUESTS_QUEUED_MAX: usize = 1024;
+/// Payload bytes one group commit takes before it stops draining more requests. With
+/// `PAYLOAD_BYTES_MAX` records, one sled batch stays well below memory limits.
+const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
+/// Records one read step scans (matching the filter or not) before yielding, so a filter that
+/// matches little never holds a blocking thread for long.
+const READ_CHUNK_RECORDS_MAX: usize = 1024;
+/// Payload bytes one read step returns before yielding.
+const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
+/// Expired msg ids removed per group commit at least; pruning also scales with the group size
+/// so it keeps pace with appends.
+const PRUNE_PER_COMMIT_MIN: usize = 256;
+
+/// Settings of the embedded log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EmbeddedConfig {
+    /// An append whose msg id was stored less than this long ago (log time) is a duplicate.
+    /// Default 10 minutes, like the JetStream stream: Slack retries for about 5 minutes.
+    pub duplicate_window: Duration,
+    /// Records one group commit takes at most (one `apply_batch`, one `flush`). Larger groups
+    /// amortize the flush; the bound keeps one batch's memory and latency in check.
+    pub group_commit_records_max: usize,
+}
+
+impl Default for EmbeddedConfig {
+    fn default() -> Self {
+        EmbeddedConfig {
+            duplicate_window: Duration::from_secs(10 * 60),
+            group_commit_records_max: 4096,
+        }
+    }
+}
+
+/// The embedded log. Appends go through one writer thread (group commit); reads go to the tree
+/// directly, in bounded chunks on the blocking pool.
+pub struct EmbeddedLog {
+    tree: sled::Tree,
+    identity: String,
+    group_commit_records_max: usize,
+    /// `None` only while dropping: dropping the sender is what tells the writer to stop.
+    requests: Option<mpsc::Sender<AppendRequest>>,
+    /// Last flushed seq, published by the writer.
+    last_seq: watch::Receiver<u64>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for EmbeddedLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddedLog")
+            .field("identity", &self.identity)
+            .field("last_seq", &*self.last_seq.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One caller's records, answered together once they are flushed.
+struct AppendRequest {
+    records: Vec<AppendRecord>,
+    reply: oneshot::Sender<LogResult<Vec<AppendOutcome>>>,
+}
+
+impl EmbeddedLog {
+    /// Opens (or creates) the log in the `log` tree of `db` and starts its writer thread.
+    ///
+    /// The caller opens the `Db` so the same database can hold other trees. On first open a
+    /// stream identity (UUIDv7) is created and flushed; on reopen the last seq and timestamp are
+    /// recovered from the tree.
+    pub fn open(db: sled::Db, config: EmbeddedConfig) -> LogResult<Self> {
+        if config.duplicate_window.is_zero() {
+            return Err(LogError::Store(
+                "embedded log misconfigured: duplicate_window must be positive".into(),
+            ));
+        }
+        if config.group_commit_records_max == 0 {
+            return Err(LogError::Store(
+                "embedded log misconfigured: group_commit_records_max must be at least 1".into(),
+            ));
+        }
+        let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
+        let stream_id = open_metadata(&tree)?;
+        let (last_seq, last_timestamp_ns) = recover_tail(&tree)?;
+
+        let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
+        let (last_seq_tx, last_seq_rx) = watch::channel(last_seq);
+        let writer = LogWriter {
+            tree: tree.clone(),
+            requests: requests_rx,
+            last_seq_tx,
+            last_seq,
+            last_timestamp_ns,
+            duplicate_window_ns: duration_ns(config.duplicate_window),
+            group_commit_records_max: config.group_commit_records_max,
+            failure: None,
+        };
+        let writer = std::thread::Builder::new()
+            .name("anima-log-writer".into())
+            .spawn(move || writer.run())
+            .map_err(|e| LogError::Store(format!("cannot start the embedded log writer: {e}")))?;
+        tracing::info!(stream = %stream_id, last_seq, "embedded log opened");
+
+        Ok(EmbeddedLog {
+            tree,
+            identity: format!("sled:{stream_id}"),
+            group_commit_records_max: config.group_commit_records_max,
+            requests: Some(requests_tx),
+            last_seq: last_seq_rx,
+            writer: Some(writer),
+        })
+    }
+
+    /// Hands `records` to the writer; the receiver answers once they are flushed.
+    async fn submit(
+        &self,
+        records: Vec<AppendRecord>,
+    ) -> LogResult<oneshot::Receiver<LogResult<Vec<AppendOutcome>>>> {
+        let requests = self.requests.as_ref().ok_or_else(writer_stopped)?;
+        let (reply, answer) = oneshot::channel();
+        requests
+            .send(AppendRequest { records, reply })
+            .await
+            .map_err(|_| writer_stopped())?;
+        Ok(answer)
+    }
+
+    fn current_last_seq(&self) -> u64 {
+        *self.last_seq.borrow()
+    }
+}
+
+impl Drop for EmbeddedLog {
+    /// Stops the writer cleanly: closing the request channel lets it answer what is queued and
+    /// exit; joining makes sure its `Tree` handle is gone before the caller reopens the `Db`.
+    fn drop(&mut self) {
+        drop(self.requests.take());
+        if let Some(writer) = self.writer.take() {
+            if writer.join().is_err() {
+                tracing::error!("embedded log writer panicked");
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl EventLog for EmbeddedLog {
+    fn identity(&self) -> String {
+        self.identity.clone()
+    }
+
+    async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
+        validate_record(&record)?;
+        let outcomes = self
+            .submit(vec![record])
+            .await?
+            .await
+            .map_err(|_| writer_stopped())??;
+        outcomes
+            .into_iter()
+            .next()
+            .ok_or_else(|| LogError::Store("embedded log writer answered no outcome".into()))
+    }
+
+    async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
+        for record in &records {
+            validate_record(record)?;
+        }
+        let total = records.len();
+        // Split into group-commit-sized requests and queue them all before waiting: the writer
+        // commits them back to back (pipelined), and the channel keeps them in order.
+        let mut answers = Vec::new();
+        let mut chunk = Vec::new();
+        let mut chunk_bytes = 0usize;
+        for record in records {
+            if !chunk.is_empty()
+                && (chunk.len() >= self.group_commit_records_max
+                    || chunk_bytes + record.payload.len() > GROUP_COMMIT_BYTES_MAX)
+            {
+                answers.push(self.submit(std::mem::take(&mut chunk)).await?);
+                chunk_bytes = 0;
+            }
+            chunk_bytes += record.payload.len();
+            chunk.push(record);
+        }
+        if !chunk.is_empty() {
+            answers.push(self.submit(chunk).await?);
+        }
+        let mut outcomes = Vec::with_capacity(total);
+        for answer in answers {
+            outcomes.extend(answer.await.map_err(|_| writer_stopped())??);
+        }
+        Ok(outcomes)
+    }
+
+    async fn read(
+        &self,
+        from_seq: u64,
+        to_seq: u64,
+        filter: Option<SubjectFilter>,
+    ) -> LogResult<BoxStream<'static, LogResult<StoredRecord>>> {
+        if let Some(filter) = &filter {
+            filter.validate()?;
+        }
+        let bound = to_seq.min(self.current_last_seq());
+        let state = ReadState {
+            tree: self.tree.clone(),
+            next_seq: from_seq.max(1),
+            filter,
+        };
+        let records = stream::unfold(Some(state), move |state| async move {
+            let mut state = state?;
+            if state.next_seq > bound {
+                return None;
+            }
+            match state.next_chunk(bound).await {
+                Ok(chunk) => Some((chunk.into_iter().map(Ok).collect::<Vec<_>>(), Some(state))),
+                Err(e) => Some((vec![Err(e)], None)),
+            }
+        });
+        Ok(records.flat_map(stream::iter).boxed())
+    }
+
+    async fn follow(
+        &self,
+        from_seq: u64,
+        filter: Option<SubjectFilter>,
+    ) -> LogResult<BoxStream<'static, LogResult<StoredRecord>>> {
+        if let Some(filter) = &filter {
+            filter.validate()?;
+        }
+        let state = ReadState {
+            tree: self.tree.clone(),
+            next_seq: from_seq.max(1),
+            filter,
+        };
+        let last_seq = self.last_seq.clone();
+        let records = stream::unfold(Some((state, last_seq)), |state| async move {
+            let (mut state, mut last_seq) = state?;
+            let next_seq = state.next_seq;
+            // Wait until the writer has flushed the next seq; an error means it stopped.
+            let bound = match last_seq.wait_for(|&last| last >= next_seq).await {
+                Ok(last) => *last,
+                Err(_) => {
+                    return Some((vec![Err(writer_stopped())], None));
+                }
+            };
+            match state.next_chunk(bound).await {
+                Ok(chunk) => Some((
+                    chunk.into_iter().map(Ok).collect::<Vec<_>>(),
+                    Some((state, last_seq)),
+                )),
+                Err(e) => Some((vec![Err(e)], None)),
+            }
+        });
+        Ok(records.flat_map(stream::iter).boxed())
+    }
+
+    async fn get(&self, seq: u64) -> LogResult<Option<StoredRecord>> {
+        if seq == 0 || seq > self.current_last_seq() {
+            return Ok(None);
+        }
+        let tree = self.tree.clone();
+        tokio::task::spawn_blocking(move || -> LogResult<Option<StoredRecord>> {
+            match tree.get(record_key(seq)).map_err(store_error)? {
+                Some(value) => Ok(Some(decode_record(seq, &value)?)),
+                None => Err(LogError::Store(format!(
+                    "record {seq} is missing below the last flushed seq"
+                ))),
+            }
+        })
+        .await
+        .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))?
+    }
+
+    async fn last_seq(&self) -> LogResult<u64> {
+        Ok(self.current_last_seq())
+    }
+}
+
+/// Cursor of one `read` or `follow` stream. Holds no sled iterator: every step opens a fresh
+/// range on the blocking pool, so nothing sled-owned lives across an await.
+struct ReadState {
+    tree: sled::Tree,
+    next_seq: u64,
+    filter: Option<SubjectFilter>,
+}
+
+impl ReadState {
+    /// Reads the next chunk in `next_seq..=bound` and advances past what it scanned. The chunk
+    /// may be empty when nothing scanned matched the filter.
+    async fn next_chunk(&mut self, bound: u64) -> LogResult<Vec<StoredRecord>> {
+        let tree = self.tree.clone();
+        let filter = self.filter.clone();
+        let from_seq = self.next_seq;
+        let (records, next_seq) = tokio::task::spawn_blocking(move || {
+            read_chunk(&tree, from_seq, bound, filter.as_ref())
+        })
+        .await
+        .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
+        self.next_seq = next_seq;
+        Ok(records)
+    }
+}
+
+/// Scans records `from_seq..=bound` in seq order, at most `READ_CHUNK_RECORDS_MAX` of them or
+/// `READ_CHUNK_BYTES_MAX` of matching payload, and returns the matches and the next seq to scan.
+/// Seqs are dense, so a gap below `bound` means the tree is damaged: fail closed.
+fn read_chunk(
+    tree: &sled::Tree,
+    from_seq: u64,
+    bound: u64,
+    filter: Option<&SubjectFilter>,
+) -> LogResult<(Vec<StoredRecord>, u64)> {
+    let mut records = Vec::new();
+    let mut bytes = 0usize;
+    let mut expected = from_seq;
+    let range = tree.range(record_key(from_seq)..=record_key(bound));
+    for entry in range.take(READ_CHUNK_RECORDS_MAX) {
+        let (key, value) = entry.map_err(store_error)?;
+        let seq = record_key_seq(&key)?;
+        if seq != expected {
+            return Err(LogError::Store(format!(
+                "record {expected} is missing (next stored is {seq})"
+            )));
+        }
+        expected = seq + 1;
+        let parts = decode_record_parts(seq, &value)?;
+        if filter.is_none_or(|filter| filter.matches(parts.subject)) {
+            bytes += parts.payload.len();
+            records.push(parts.into_record(seq));
+            if bytes >= READ_CHUNK_BYTES_MAX {
+                break;
+            }
+        }
+    }
+    if expected == from_seq && from_seq <= bound {
+        return Err(LogError::Store(format!(
+            "record {from_seq} is missing below the last flushed seq {bound}"
+        )));
+    }
+    Ok((records, expected))
+}
+
+/// The writer thread's state. It alone assigns seqs and timestamps and writes the tree.
+struct LogWriter {
+    tree: sled::Tree,
+    requests: mpsc::Receiver<AppendRequest>,
+    last_seq_tx: watch::Sender<u64>,
+    /// Last flushed seq and its timestamp.
+    last_seq: u64,
+    last_timestamp_ns: i64,
+    duplicate_window_ns: i64,
+    group_commit_records_max: usize,
+    /// Set when a write or flush failed: the tree's state is then unknown, so every later append
+    /// fails closed instead of risking a gap or a reused seq. Reopen to recover.
+    failure: Option<String>,
+}
+
+/// What one group commit decided before writing it.
+struct PlannedGroup {
+    batch: sled::Batch,
+    outcomes: Vec<Vec<AppendOutcome>>,
+    last_seq: u64,
+    last_timestamp_ns: i64,
+}
+
+impl LogWriter {
+    /// Runs until every sender is gone (the log was dropped), answering what was queued.
+    fn run(mut self) {
+        while let Some(first) = self.requests.blocking_recv() {
+            let mut records = first.records.len();
+            let mut bytes = payload_bytes(&first.records);
+            let mut group = vec![first];
+            while records < self.group_commit_records_max && bytes < GROUP_COMMIT_BYTES_MAX {
+                match self.requests.try_recv() {
+                    Ok(request) => {
+                        records += request.records.len();
+                        bytes += payload_bytes(&request.records);
+                        group.push(request);
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.commit(group);
+        }
+        tracing::debug!(last_seq = self.last_seq, "embedded log writer stopped");
+    }
+
+    /// One group commit: plan, one `apply_batch`, one `flush`, then answer everyone.
+    fn commit(&mut self, group: Vec<AppendRequest>) {
+        let result = match &self.failure {
+            Some(failure) => Err(LogError::Store(format!(
+                "embedded log failed earlier and refuses appends until reopened: {failure}"
+            ))),
+            None => self.write_group(&group),
+        };
+        match result {
+            Ok(outcomes) => {
+                for (request, outcomes) in group.into_iter().zip(outcomes) {
+                    // A caller that stopped waiting is not an error: its records are stored.
+                    let _ = request.reply.send(Ok(outcomes));
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for request in group {
+                    let _ = request.reply.send(Err(LogError::Store(message.clone())));
+                }
+            }
+        }
+    }
+
+    fn write_group(&mut self, group: &[AppendRequest]) -> LogResult<Vec<Vec<AppendOutcome>>> {
+        let t0 = std::time::Instant::now();
+        let planned = self.plan_group(group)?;
+        let t1 = std::time::Instant::now();
+        let written = self.tree.apply_batch(planned.batch);
+        let t2 = std::time::Instant::now();
+        let written = written.and_then(|()| self.tree.flush().map(|_| ()));
+        let t3 = std::time::Instant::now();
+        if std::env::var_os("PROF").is_some() { eprintln!("n={} plan {:?} apply {:?} flush {:?}", planned.outcomes.iter().map(|o| o.len()).sum::<usize>(), t1-t0, t2-t1, t3-t2); }
+        if let Err(e) = written {
+            let message = format!("sled write failed: {e}");
+            tracing::error!(error = %e, "embedded log write failed; refusing further appends");
+            self.failure = Some(message.clone());
+            return Err(LogError::Store(message));
+        }
+        if planned.last_seq != self.last_seq {
+            self.last_seq = planned.last_seq;
+            self.last_timestamp_ns = planned.last_timestamp_ns;
+            self.last_seq_tx.send_replace(self.last_seq);
+        }
+        Ok(planned.outcomes)
+    }
+
+    /// Decides every record of the group (new seq or duplicate) and builds the batch, including
+    /// pruning of msg ids that left the dedupe window. Reads the tree; writes nothing.
+    fn plan_group(&self, group: &[AppendRequest]) -> LogResult<PlannedGroup> {
+        let mut batch = sled::Batch::default();
+        let mut outcomes = Vec::with_capacity(group.len());
+        // Msg ids stored by this group, so a repeat inside the group is a duplicate too.
+        let mut stored_here: HashMap<&str, u64> = HashMap::new();
+        let mut last_seq = self.last_seq;
+        let mut last_timestamp_ns = self.last_timestamp_ns;
+        let now_ns = wall_clock_ns();
+        let mut records_total = 0usize;
+
+        for request in group {
+            let mut request_outcomes = Vec::with_capacity(request.records.len());
+            for record in &request.records {
+                records_total += 1;
+                if let Some(&seq) = stored_here.get(record.msg_id.as_str()) {
+                    request_outcomes.push(AppendOutcome::Duplicate { seq });
+                    continue;
+                }
+                let timestamp_ns = now_ns.max(last_timestamp_ns.saturating_add(1));
+                let window_start_ns = timestamp_ns.saturating_sub(self.duplicate_window_ns);
+                let msg_id_key = msg_id_key(&record.msg_id);
+                if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
+                    let (seq, stored_ns) = decode_msg_id_entry(&entry)?;
+                    if stored_ns >= window_start_ns {
+                        request_outcomes.push(AppendOutcome::Duplicate { seq });
+                        continue;
+                    }
+                }
+                last_seq += 1;
+                last_timestamp_ns = timestamp_ns;
+                batch.insert(
+                    &record_key(last_seq)[..],
+                    encode_record(timestamp_ns, record),
+                );
+                batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
+                batch.insert(
+                    &expiry_key(timestamp_ns, last_seq)[..],
+                    record.msg_id.as_bytes(),
+                );
+                stored_here.insert(record.msg_id.as_str(), last_seq);
+                request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
+            }
+            outcomes.push(request_outcomes);
+        }
+
+        self.plan_pruning(
+            &mut batch,
+            &stored_here,
+            last_timestamp_ns
+                .max(now_ns)
+                .saturating_sub(self.duplicate_window_ns),
+            (records_total * 2).max(PRUNE_PER_COMMIT_MIN),
+        )?;
+        Ok(PlannedGroup {
+            batch,
+            outcomes,
+            last_seq,
+            last_timestamp_ns,
+        })
+    }
+
+    /// Removes up to `limit` msg ids stored before `window_start_ns`, oldest first. The msg-id
+    /// entry goes only if it still points at the expired seq: the same id may have been stored
+    /// again after it expired, in an earlier group or in this one.
+    fn plan_pruning(
+        &self,
+        batch: &mut sled::Batch,
+        stored_here: &HashMap<&str, u64>,
+        window_start_ns: i64,
+        limit: usize,
+    ) -> LogResult<()> {
+        let start = [PREFIX_EXPIRY];
+        let end = expiry_key(window_start_ns, 0);
+        for entry in self.tree.range(&start[..]..&end[..]).take(limit) {
+            let (key, msg_id) = entry.map_err(store_error)?;
+            batch.remove(key.clone());
+            let expired_seq = expiry_key_seq(&key)?;
+            let msg_id_str = std::str::from_utf8(&msg_id)
+                .map_err(|_| LogError::Store("stored msg id is not UTF-8".into()))?;
+            if stored_here.contains_key(msg_id_str) {
+                continue;
+            }
+            let msg_id_key = msg_id_key(msg_id_str);
+            if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
+                if decode_msg_id_entry(&entry)?.0 == expired_seq {
+                    batch.remove(msg_id_key);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads or creates the stream identity and checks the layout version.
+fn open_metadata(tree: &sled::Tree) -> LogResult<String> {
+    let format_key = meta_key(META_FORMAT);
+    let id_key = meta_key(META_STREAM_ID);
+    match tree.get(&format_key).map_err(store_error)? {
+        Some(format) if format.as_ref() != FORMAT_VERSION => {
+            return Err(LogError::Store(format!(
+                "embedded log tree has layout {:?}, this build reads {:?}",
+                String::from_utf8_lossy(&format),
+                String::from_utf8_lossy(FORMAT_VERSION)
+            )));
+        }
+        Some(_) => {}
+        None => {
+            let mut batch = sled::Batch::default();
+            batch.insert(format_key, FORMAT_VERSION);
+            batch.insert(id_key.clone(), uuid::Uuid::now_v7().to_string().as_bytes());
+            tree.apply_batch(batch).map_err(store_error)?;
+            tree.flush().map_err(store_error)?;
+        }
+    }
+    let stream_id = tree
+        .get(&id_key)
+        .map_err(store_error)?
+        .ok_or_else(|| LogError::Store("embedded log has no stream identity".into()))?;
+    String::from_utf8(stream_id.to_vec())
+        .map_err(|_| LogError::Store("embedded log stream identity is not UTF-8".into()))
+}
+
+/// The last stored seq and its timestamp (0, 0 when empty).
+fn recover_tail(tree: &sled::Tree) -> LogResult<(u64, i64)> {
+    let last = tree
+        .range(record_key(0)..=record_key(u64::MAX))
+        .next_back()
+        .transpose()
+        .map_err(store_error)?;
+    match last {
+        None => Ok((0, 0)),
+        Some((key, value)) => {
+            let seq = record_key_seq(&key)?;
+            let record = decode_record(seq, &value)?;
+            Ok((seq, record.timestamp_ns))
+        }
+    }
+}
+
+fn record_key(seq: u64) -> [u8; 9] {
+    let mut key = [0u8; 9];
+    key[0] = PREFIX_RECORD;
+    key[1..].copy_from_slice(&seq.to_be_bytes());
+    key
+}
+
+fn record_key_seq(key: &[u8]) -> LogResult<u64> {
+    match key {
+        [PREFIX_RECORD, seq @ ..] => seq
+            .try_into()
+            .map(u64::from_be_bytes)
+            .map_err(|_| LogError::Store("malformed record key".into())),
+        _ => Err(LogError::Store("malformed record key".into())),
+    }
+}
+
+fn msg_id_key(msg_id: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(1 + msg_id.len());
+    key.push(PREFIX_MSG_ID);
+    key.extend_from_slice(msg_id.as_bytes());
+    key
+}
+
+fn encode_msg_id_entry(seq: u64, timestamp_ns: i64) -> [u8; 16] {
+    let mut value = [0u8; 16];
+    value[..8].copy_from_slice(&seq.to_be_bytes());
+    value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
+    value
+}
+
+fn decode_msg_id_entry(value: &[u8]) -> LogResult<(u64, i64)> {
+    let malformed = || LogError::Store("malformed msg id entry".into());
+    let seq = value.get(..8).ok_or_else(malformed)?;
+    let timestamp = value.get(8..16).ok_or_else(malformed)?;
+    Ok((
+        u64::from_be_bytes(seq.try_into().map_err(|_| malformed())?),
+        i64::from_be_bytes(timestamp.try_into().map_err(|_| malformed())?),
+    ))
+}
+
+/// Order-preserving encoding of a signed timestamp followed by the seq, so a byte-ordered range
+/// scan visits msg ids oldest first.
+fn expiry_key(timestamp_ns: i64, seq: u64) -> [u8; 17] {
+    let mut key = [0u8; 17];
+    key[0] = PREFIX_EXPIRY;
+    key[1..9].copy_from_slice(&((timestamp_ns as u64) ^ (1 << 63)).to_be_bytes());
+    key[9..].copy_from_slice(&seq.to_be_bytes());
+    key
+}
+
+fn expiry_key_seq(key: &[u8]) -> LogResult<u64> {
+    key.get(9..17)
+        .and_then(|seq| seq.try_into().ok())
+        .map(u64::from_be_bytes)
+        .ok_or_else(|| LogError::Store("malformed expiry key".into()))
+}
+
+fn meta_key(name: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(1 + name.len());
+    key.push(PREFIX_META);
+    key.extend_from_slice(name);
+    key
+}
+
+/// Record value: version, timestamp (i64 BE), subject length (u32 BE), subject, msg id length
+/// (u16 BE), msg id, payload. The msg id is kept so a damaged index can be rebuilt and so
+/// replays can show it.
+fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
+    let subject = record.subject.as_bytes();
+    let msg_id = record.msg_id.as_bytes();
+    let mut value =
+        Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
+    value.push(RECORD_VERSION);
+    value.extend_from_slice(&timestamp_ns.to_be_bytes());
+    // validate_record bounds subjects (SUBJECT_BYTES_MAX) and msg ids (256 bytes) far below
+    // these widths.
+    value.extend_from_slice(&(subject.len() as u32).to_be_bytes());
+    value.extend_from_slice(subject);
+    value.extend_from_slice(&(msg_id.len() as u16).to_be_bytes());
+    value.extend_from_slice(msg_id);
+    value.extend_from_slice(&record.payload);
+    value
+}
+
+fn decode_record(seq: u64, value: &[u8]) -> LogResult<StoredRecord> {
+    let parts = decode_record_parts(seq, value)?;
+    Ok(parts.into_record(seq))
+}
+
+/// A stored record's fields, borrowed from the sled value, so a filtered read copies only the
+/// records it returns.
+struct RecordParts<'a> {
+    timestamp_ns: i64,
+    subject: &'a str,
+    payload: &'a [u8],
+}
+
+impl RecordParts<'_> {
+    fn into_record(self, seq: u64) -> StoredRecord {
+        StoredRecord {
+            seq,
+            subject: self.subject.to_owned(),
+            timestamp_ns: self.timestamp_ns,
+            payload: Bytes::copy_from_slice(self.payload),
+        }
+    }
+}
+
+fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
+    let malformed = |what: &str| LogError::Store(format!("record {seq} is malformed: {what}"));
+    let mut rest = value;
+    let mut take = |len: usize, what: &str| -> LogResult<&[u8]> {
+        if rest.len() < len {
+            return Err(malformed(what));
+        }
+        let (head, tail) = rest.split_at(len);
+        rest = tail;
+        Ok(head)
+    };
+    if take(1, "version")? != [RECORD_VERSION] {
+        return Err(malformed("unknown version"));
+    }
+    let timestamp_ns = i64::from_be_bytes(
+        take(8, "timestamp")?
+            .try_into()
+            .map_err(|_| malformed("timestamp"))?,
+    );
+    let subject_len = u32::from_be_bytes(
+        take(4, "subject length")?
+            .try_into()
+            .map_err(|_| malformed("subject length"))?,
+    ) as usize;
+    let subject = std::str::from_utf8(take(subject_len, "subject")?)
+        .map_err(|_| malformed("subject is not UTF-8"))?;
+    let msg_id_len = u16::from_be_bytes(
+        take(2, "msg id length")?
+            .try_into()
+            .map_err(|_| malformed("msg id length"))?,
+    ) as usize;
+    take(msg_id_len, "msg id")?;
+    Ok(RecordParts {
+        timestamp_ns,
+        subject,
+        payload: rest,
+    })
+}
+
+fn payload_bytes(records: &[AppendRecord]) -> usize {
+    records.iter().map(|record| record.payload.len()).sum()
+}
+
+/// Wall clock in unix nanoseconds; a clock before 1970 reads as 0 (the writer's monotonic stamp
+/// then keeps time moving forward).
+fn wall_clock_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(duration_ns)
+        .unwrap_or(0)
+}
+
+fn duration_ns(duration: Duration) -> i64 {
+    i64::try_from(duration.as_nanos()).unwrap_or(i64::MAX)
+}
+
+fn store_error(e: sled::Error) -> LogError {
+    LogError::Store(format!("sled: {e}"))
+}
+
+fn writer_stopped() -> LogError {
+    LogError::Unavailable("the embedded log writer has stopped (log closed or failed)".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(subject: &str, msg_id: &str, payload: &'static [u8]) -> AppendRecord {
+        AppendRecord {
+            subject: subject.into(),
+            msg_id: msg_id.into(),
+            payload: Bytes::from_static(payload),
+        }
+    }
+
+    #[test]
+    fn record_encoding_round_trips() {
+        let original = record("anima.v1.config", "id-1", b"payload");
+        let value = encode_record(42, &original);
+        let decoded = decode_record(7, &value).expect("decodes");
+        assert_eq!(decoded.seq, 7);
+        assert_eq!(decoded.timestamp_ns, 42);
+        assert_eq!(decoded.subject, original.subject);
+        assert_eq!(decoded.payload, original.payload);
+        assert!(decode_record(7, &value[..5]).is_err());
+    }
+
+    #[test]
+    fn expiry_keys_sort_by_time_then_seq() {
+        assert!(expiry_key(-1, 9) < expiry_key(0, 0));
+        assert!(expiry_key(5, 9) < expiry_key(6, 0));
+        assert!(expiry_key(5, 1) < expiry_key(5, 2));
+        assert_eq!(expiry_key_seq(&expiry_key(5, 77)).expect("seq"), 77);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn expired_msg_ids_are_pruned_and_can_be_stored_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let config = EmbeddedConfig {
+            duplicate_window: Duration::from_millis(50),
+            ..EmbeddedConfig::default()
+        };
+        let log = EmbeddedLog::open(db.clone(), config).expect("open");
+        let first = log
+            .append(record("anima.v1.config", "same", b"a"))
+            .await
+            .expect("append");
+        assert_eq!(first, AppendOutcome::Appended { seq: 1 });
+        let again = log
+            .append(record("anima.v1.config", "same", b"a"))
+            .await
+            .expect("append");
+        assert_eq!(again, AppendOutcome::Duplicate { seq: 1 });
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let later = log
+            .append(record("anima.v1.config", "same", b"b"))
+            .await
+            .expect("append");
+        assert_eq!(later, AppendOutcome::Appended { seq: 2 });
+        // The expiry entry of seq 1 was pruned by that commit; seq 2's msg id entry survives.
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        let expiry_entries = tree.scan_prefix([PREFIX_EXPIRY]).count();
+        assert_eq!(expiry_entries, 1);
+        let entry = tree
+            .get(msg_id_key("same"))
+            .expect("get")
+            .expect("msg id entry");
+        assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
+    }
+
+    #[test]
+    fn refuses_nonsense_configuration() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let zero_window = EmbeddedConfig {
+            duplicate_window: Duration::ZERO,
+            ..EmbeddedConfig::default()
+        };
+        assert!(matches!(
+            EmbeddedLog::open(db.clone(), zero_window),
+            Err(LogError::Store(_))
+        ));
+        let zero_group = EmbeddedConfig {
+            group_commit_records_max: 0,
+            ..EmbeddedConfig::default()
+        };
+        assert!(matches!(
+            EmbeddedLog::open(db, zero_group),
+            Err(LogError::Store(_))
+        ));
+    }
+}

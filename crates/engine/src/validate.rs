@@ -1,0 +1,99 @@
+//! Input validation at the engine's edge: every field a client sends is checked and bounded
+//! before anything is appended. Errors name the field.
+
+use anima_projections::time::slack_ts_seconds;
+
+use crate::command::CommandError;
+
+/// Slack message text: 40,000 characters, at most 160,000 bytes.
+pub const SLACK_TEXT_CHARS_MAX: usize = 40_000;
+pub const SLACK_TEXT_BYTES_MAX: usize = 160_000;
+/// Agent, worker and request ids.
+pub const ID_BYTES_MAX: usize = 128;
+/// Slack team, channel, user and bot ids.
+pub const SLACK_ID_BYTES_MAX: usize = 64;
+pub const SLACK_SUBTYPE_BYTES_MAX: usize = 64;
+pub const USER_NAME_BYTES_MAX: usize = 256;
+pub const FILES_PER_MESSAGE_MAX: usize = 100;
+pub const FILE_NAME_BYTES_MAX: usize = 1_024;
+/// Receiving agents named by one observation.
+pub const RECEIVERS_MAX: usize = 64;
+/// Free-text reasons (finish reasons).
+pub const REASON_BYTES_MAX: usize = 4_096;
+
+pub fn invalid(field: &'static str, reason: impl Into<String>) -> CommandError {
+    CommandError::InvalidArgument { field, reason: reason.into() }
+}
+
+/// An engine id (agent, worker): 1..=128 bytes, no whitespace or control characters.
+pub fn id(field: &'static str, value: &str) -> Result<(), CommandError> {
+    if value.is_empty() {
+        return Err(invalid(field, "must not be empty"));
+    }
+    if value.len() > ID_BYTES_MAX {
+        return Err(invalid(field, format!("must be at most {ID_BYTES_MAX} bytes")));
+    }
+    if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(invalid(field, "must not contain whitespace or control characters"));
+    }
+    Ok(())
+}
+
+/// A Slack id (team, channel, user, bot): ASCII letters and digits.
+pub fn slack_id(field: &'static str, value: &str, required: bool) -> Result<(), CommandError> {
+    if value.is_empty() {
+        return if required { Err(invalid(field, "must not be empty")) } else { Ok(()) };
+    }
+    if value.len() > SLACK_ID_BYTES_MAX || !value.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(invalid(field, format!("must be 1..={SLACK_ID_BYTES_MAX} ASCII letters and digits")));
+    }
+    Ok(())
+}
+
+/// A Slack ts: `<seconds>.<6 digits>`.
+pub fn slack_ts(field: &'static str, value: &str, required: bool) -> Result<(), CommandError> {
+    if value.is_empty() && !required {
+        return Ok(());
+    }
+    slack_ts_seconds(value)
+        .map(|_| ())
+        .ok_or_else(|| invalid(field, format!("{value:?} is not a Slack ts like \"1700000000.000100\"")))
+}
+
+pub fn slack_text(field: &'static str, value: &str) -> Result<(), CommandError> {
+    if value.len() > SLACK_TEXT_BYTES_MAX || value.chars().count() > SLACK_TEXT_CHARS_MAX {
+        return Err(CommandError::TooLarge {
+            field,
+            reason: format!(
+                "{} bytes; at most {SLACK_TEXT_CHARS_MAX} characters and {SLACK_TEXT_BYTES_MAX} bytes are accepted",
+                value.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+pub fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), CommandError> {
+    if value.len() > max {
+        return Err(CommandError::TooLarge { field, reason: format!("{} bytes; at most {max}", value.len()) });
+    }
+    Ok(())
+}
+
+pub fn files(field: &'static str, files: &[anima_projections::proto::SlackFile]) -> Result<(), CommandError> {
+    if files.len() > FILES_PER_MESSAGE_MAX {
+        return Err(CommandError::TooLarge { field, reason: format!("{} files; at most {FILES_PER_MESSAGE_MAX}", files.len()) });
+    }
+    for file in files {
+        bounded(field, &file.name, FILE_NAME_BYTES_MAX)?;
+    }
+    Ok(())
+}
+
+/// An optional client request id: empty, or a UUID.
+pub fn request_id(value: &str) -> Result<Option<uuid::Uuid>, CommandError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    uuid::Uuid::parse_str(value).map(Some).map_err(|_| invalid("request_id", "must be empty or a UUID"))
+}

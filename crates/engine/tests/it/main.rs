@@ -1,0 +1,3 @@
+//! The engine's one integration-test binary (STYLE 10): each area is a module.
+
+mod conformance;

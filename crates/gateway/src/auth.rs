@@ -1,0 +1,201 @@
+//! Access control: bearer tokens with roles, checked on every RPC by one tower layer before any
+//! service code runs. Tokens are compared by SHA-256 digest in constant time and never logged.
+//! The role × RPC matrix is [`allowed`]; runtime tokens are further scoped to agent ids, which
+//! each handler checks against the agent its request names ([`Principal::require_agent`]).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::future::BoxFuture;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use tonic::Status;
+
+use crate::config::TokenConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Connector services: append observations, confirm posts.
+    Connector,
+    /// The agent runtime, for the agents its token names.
+    Runtime,
+    /// Replay tools.
+    Replay,
+    /// Analytics consumers: content-free views only.
+    Analytics,
+    /// Everything.
+    Admin,
+}
+
+/// Who is calling, attached to the request by the auth layer.
+#[derive(Clone, Debug)]
+pub struct Principal {
+    pub role: Role,
+    /// For runtime tokens: the agents it may act for.
+    pub agents: Arc<BTreeSet<String>>,
+    pub name: Arc<str>,
+}
+
+impl Principal {
+    /// Refuses acting for an agent the token is not scoped to.
+    pub fn require_agent(&self, agent: &str) -> Result<(), Status> {
+        match self.role {
+            Role::Admin | Role::Connector => Ok(()),
+            Role::Runtime if self.agents.contains(agent) => Ok(()),
+            _ => Err(Status::permission_denied(format!("this token may not act for agent {agent:?}"))),
+        }
+    }
+
+    /// The principal of a request that passed the auth layer.
+    pub fn of<T>(request: &tonic::Request<T>) -> Result<Principal, Status> {
+        request
+            .extensions()
+            .get::<Principal>()
+            .cloned()
+            .ok_or_else(|| Status::unauthenticated("no principal on the request"))
+    }
+}
+
+/// The role × RPC matrix. `path` is the gRPC path `/package.Service/Method`.
+#[allow(clippy::match_like_matches_macro)] // Reads as the matrix it is.
+pub fn allowed(role: Role, path: &str) -> bool {
+    let Some((service, _method)) = path.trim_start_matches('/').split_once('/') else {
+        return false;
+    };
+    match (role, service, path) {
+        (Role::Admin, _, _) => true,
+        (_, "grpc.health.v1.Health", _) => true,
+        (_, "grpc.reflection.v1.ServerReflection", _) => true,
+        (Role::Connector, "anima.v1.Ingest", _) => true,
+        (Role::Connector, _, "/anima.v1.Sends/Confirm") => true,
+        (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends", _) => true,
+        _ => false,
+    }
+}
+
+struct TokenEntry {
+    digest: [u8; 32],
+    principal: Principal,
+}
+
+/// The configured tokens. With none configured every caller is an admin (the server then
+/// refuses to listen on anything but loopback).
+#[derive(Clone)]
+pub struct Auth {
+    tokens: Arc<Vec<TokenEntry>>,
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Auth {
+    pub fn new(configs: &[TokenConfig]) -> anyhow::Result<Auth> {
+        let mut tokens = Vec::new();
+        for (index, config) in configs.iter().enumerate() {
+            let digest: [u8; 32] = match (&config.token, &config.token_sha256) {
+                (Some(token), _) => Sha256::digest(token.as_bytes()).into(),
+                (None, Some(hex_digest)) => {
+                    let bytes = (0..32)
+                        .map(|i| u8::from_str_radix(&hex_digest[2 * i..2 * i + 2], 16))
+                        .collect::<Result<Vec<u8>, _>>()?;
+                    bytes.try_into().map_err(|_| anyhow::anyhow!("tokens[{index}].token_sha256: bad length"))?
+                }
+                (None, None) => anyhow::bail!("tokens[{index}]: no token"),
+            };
+            tokens.push(TokenEntry {
+                digest,
+                principal: Principal {
+                    role: config.role,
+                    agents: Arc::new(config.agents.iter().cloned().collect()),
+                    name: config.name.clone().unwrap_or_else(|| format!("token#{index}")).into(),
+                },
+            });
+        }
+        Ok(Auth { tokens: Arc::new(tokens) })
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Authenticates the `authorization: Bearer ...` header and authorizes the path.
+    pub fn check(&self, path: &str, headers: &http::HeaderMap) -> Result<Principal, Status> {
+        if path.starts_with("/grpc.health.v1.Health/") {
+            return Ok(Principal { role: Role::Analytics, agents: Arc::default(), name: "health".into() });
+        }
+        let principal = if self.is_open() {
+            Principal { role: Role::Admin, agents: Arc::default(), name: "open".into() }
+        } else {
+            let header = headers
+                .get(http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .ok_or_else(|| Status::unauthenticated("missing authorization: Bearer <token>"))?;
+            let token = header
+                .strip_prefix("Bearer ")
+                .ok_or_else(|| Status::unauthenticated("authorization must be Bearer <token>"))?;
+            let digest: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
+            // Compare against every entry so timing does not reveal which one matched.
+            let mut found = None;
+            for entry in self.tokens.iter() {
+                if constant_time_eq(&entry.digest, &digest) && found.is_none() {
+                    found = Some(entry.principal.clone());
+                }
+            }
+            found.ok_or_else(|| Status::unauthenticated("unknown token"))?
+        };
+        if !allowed(principal.role, path) {
+            tracing::info!(token = %principal.name, path, "permission denied");
+            return Err(Status::permission_denied(format!("role {:?} may not call {path}", principal.role)));
+        }
+        Ok(principal)
+    }
+}
+
+/// The tower layer that runs [`Auth::check`] on every request.
+#[derive(Clone)]
+pub struct AuthLayer(pub Auth);
+
+impl<S> tower::Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService { inner, auth: self.0.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct AuthService<S> {
+    inner: S,
+    auth: Auth,
+}
+
+impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for AuthService<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
+        match self.auth.check(request.uri().path(), request.headers()) {
+            Ok(principal) => {
+                request.extensions_mut().insert(principal);
+                // Take the service that was driven to readiness; leave a clone in its place.
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                Box::pin(inner.call(request))
+            }
+            Err(status) => Box::pin(async move { Ok(status.into_http()) }),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! `anima-wake`: the engine's binary.
+//!
+//! * `anima-wake serve` — run an engine instance: embedded log under `./data` and gRPC on
+//!   `127.0.0.1:50051` with no flags; `--nats URL` for JetStream.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anima_gateway::config::Config;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "anima-wake", version, about = "Event-sourced wake delivery engine for AI agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run an engine instance and its gRPC API.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML configuration file (tokens, agents, tuning).
+    #[arg(long, env = "ANIMA_CONFIG")]
+    config: Option<PathBuf>,
+    /// Data directory (embedded log and checkpoints). Default ./data.
+    #[arg(long, env = "ANIMA_DATA")]
+    data: Option<PathBuf>,
+    /// gRPC listen address. Default 127.0.0.1:50051.
+    #[arg(long, env = "ANIMA_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// NATS URL: use the JetStream stream there as the log instead of the embedded one.
+    #[arg(long, env = "ANIMA_NATS")]
+    nats: Option<String>,
+    /// JetStream stream name. Default ANIMA.
+    #[arg(long, env = "ANIMA_STREAM")]
+    stream: Option<String>,
+    /// Replicas of a newly created JetStream stream. Default 1.
+    #[arg(long, env = "ANIMA_REPLICAS")]
+    replicas: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ANIMA_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Command::Serve(args) => runtime.block_on(serve(args)),
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(data) = args.data {
+        config.data = data;
+    }
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    if let Some(nats) = args.nats {
+        config.nats = Some(nats);
+    }
+    if let Some(stream) = args.stream {
+        config.stream = stream;
+    }
+    if let Some(replicas) = args.replicas {
+        config.replicas = replicas;
+    }
+    let server = anima_gateway::server::start(config).await?;
+    // Machine-readable line for supervisors and tests that listen on port 0.
+    println!("anima-wake listening on {}", server.local_addr);
+    server.run_until(shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = terminate => {}
+    }
+}

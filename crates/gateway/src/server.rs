@@ -1,0 +1,123 @@
+//! Starting and stopping one engine instance: open the log (embedded sled under the data dir, or
+//! JetStream), restore the projection from its checkpoint and catch up, append configured agents
+//! that differ from the log, then serve gRPC until shutdown. Shutdown stops accepting, ends
+//! streams, writes a last checkpoint, and returns.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anima_engine::instance::{Backend, Instance, InstanceConfig};
+use anima_engine::log::embedded::EmbeddedConfig;
+use anima_engine::log::jetstream::JetStreamConfig;
+use anima_engine::{Engine, EngineConfig, RunnerConfig};
+use anima_projections::proto as events;
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use crate::api;
+use crate::auth::{Auth, AuthLayer};
+use crate::config::Config;
+use crate::services::Services;
+
+/// How long shutdown waits for in-flight requests before closing connections.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A running server.
+pub struct RunningServer {
+    pub local_addr: SocketAddr,
+    pub engine: Engine,
+    shutdown: CancellationToken,
+    serve: tokio::task::JoinHandle<anyhow::Result<()>>,
+    runner: tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>,
+}
+
+impl RunningServer {
+    /// Stops accepting, waits for in-flight work up to a deadline, checkpoints, and returns.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.serve.await.context("server task")??;
+        self.runner.await.context("runner task")??;
+        Ok(())
+    }
+
+    /// Waits until the server stops on its own (it does not, unless it fails) or `signal` fires.
+    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        signal.await;
+        tracing::info!("shutting down");
+        self.shutdown().await
+    }
+}
+
+/// Starts an engine instance and its gRPC server.
+pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
+    config.validate()?;
+    let auth = Auth::new(&config.tokens)?;
+    let backend = match &config.nats {
+        Some(url) => Backend::JetStream(JetStreamConfig {
+            url: url.clone(),
+            stream: config.stream.clone(),
+            replicas: config.replicas,
+            ..JetStreamConfig::default()
+        }),
+        None => Backend::Embedded(EmbeddedConfig::default()),
+    };
+    let mut instance_config = InstanceConfig::new(&config.data, backend);
+    instance_config.runner = RunnerConfig {
+        checkpoint_every_events: config.runner.checkpoint_every_events,
+        checkpoint_interval: config.checkpoint_interval(),
+        ..RunnerConfig::default()
+    };
+    instance_config.engine =
+        EngineConfig { verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms), ..EngineConfig::default() };
+    let Instance { engine, backend_name, shutdown, runner } = Instance::start(instance_config).await?;
+    let configured: Vec<events::AgentRegistered> = config
+        .agents
+        .iter()
+        .map(|a| events::AgentRegistered {
+            agent_id: a.id.clone(),
+            slack_bot_user_id: a.slack_bot_user_id.clone(),
+            slack_bot_id: a.slack_bot_id.clone(),
+            display_name: a.display_name.clone(),
+        })
+        .collect();
+    let appended = engine.sync_agents(&configured).await.map_err(|e| anyhow::anyhow!("registering configured agents: {e}"))?;
+    if appended > 0 {
+        tracing::info!(appended, "configured agents appended to the log");
+    }
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    let local_addr = listener.local_addr()?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<api::ingest_server::IngestServer<Services>>().await;
+    health.set_serving::<api::wakes_server::WakesServer<Services>>().await;
+    health.set_serving::<api::sends_server::SendsServer<Services>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(api::DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+    let services = Services { engine: engine.clone() };
+    let router = tonic::transport::Server::builder()
+        .layer(AuthLayer(auth))
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(api::ingest_server::IngestServer::new(services.clone()))
+        .add_service(api::wakes_server::WakesServer::new(services.clone()))
+        .add_service(api::sends_server::SendsServer::new(services));
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let stop = shutdown.clone();
+    let serve = tokio::spawn(async move {
+        let graceful = router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+        // serve_with_shutdown waits for every connection without a deadline; bound it.
+        tokio::select! {
+            result = graceful => result.context("gRPC server")?,
+            _ = async { stop.cancelled().await; tokio::time::sleep(SHUTDOWN_GRACE).await } => {
+                tracing::warn!("connections still open after the grace period; closing them");
+            }
+        }
+        Ok(())
+    });
+    tracing::info!(%local_addr, backend = backend_name, "serving");
+    Ok(RunningServer { local_addr, engine, shutdown, serve, runner })
+}

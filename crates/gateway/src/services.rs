@@ -1,0 +1,241 @@
+//! The tonic services. Each handler authorizes the agent its request names, converts the request
+//! into an engine command, and converts the fold's verdict back. Engine errors become gRPC status
+//! codes in one place ([`status`]).
+
+use std::pin::Pin;
+
+use anima_engine::command::{IngestOutcome, SlackObservation};
+use anima_engine::{CommandError, Engine};
+use anima_projections::proto as events;
+use anima_projections::verdict::{RefusalKind, SendVerdict};
+use futures::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::api;
+use crate::auth::Principal;
+
+/// Maps an engine error to a gRPC status. The one place where this happens.
+pub fn status(error: CommandError) -> Status {
+    match error {
+        CommandError::InvalidArgument { field, reason } => Status::invalid_argument(format!("{field}: {reason}")),
+        CommandError::TooLarge { field, reason } => Status::resource_exhausted(format!("{field}: too large: {reason}")),
+        CommandError::Refused(refusal) => match refusal.kind {
+            RefusalKind::InvalidArgument => Status::invalid_argument(refusal.message),
+            RefusalKind::Aborted => Status::aborted(refusal.message),
+            RefusalKind::FailedPrecondition => Status::failed_precondition(refusal.message),
+        },
+        CommandError::Unavailable(message) => Status::unavailable(message),
+        CommandError::FailedPrecondition(message) => Status::failed_precondition(message),
+    }
+}
+
+#[derive(Clone)]
+pub struct Services {
+    pub engine: Engine,
+}
+
+fn outcome_message(outcome: IngestOutcome) -> api::AppendOutcome {
+    api::AppendOutcome {
+        agent_id: outcome.agent,
+        seq: outcome.seq,
+        duplicate_event: outcome.duplicate_event,
+        ordinal: outcome.journal.ordinal,
+        duplicate_message: outcome.journal.duplicate_message,
+        surface: outcome.journal.surface.map(|s| s.to_string()).unwrap_or_default(),
+        wake_reason: outcome.journal.wake.map(|w| w.as_str().to_owned()).unwrap_or_default(),
+    }
+}
+
+impl Services {
+    async fn append_one(&self, principal: &Principal, request: api::AppendRequest) -> Result<api::AppendResponse, Status> {
+        let outcomes = match request.observation {
+            Some(api::append_request::Observation::SlackMessage(message)) => {
+                let observation = SlackObservation {
+                    receiving_agent_ids: message.receiving_agent_ids,
+                    message: events::SlackMessageObserved {
+                        receiving_agent_id: String::new(),
+                        kind: message.kind,
+                        team_id: message.team_id,
+                        channel_id: message.channel_id,
+                        ts: message.ts,
+                        thread_ts: message.thread_ts,
+                        subtype: message.subtype,
+                        user_id: message.user_id,
+                        bot_id: message.bot_id,
+                        text: message.text,
+                        files: message.files,
+                        user_name: message.user_name,
+                    },
+                    occurred_at_ms: message.occurred_at_ms,
+                };
+                self.engine.ingest_slack(observation).await.map_err(status)?.into_iter().map(outcome_message).collect()
+            }
+            Some(api::append_request::Observation::Agent(registration)) => {
+                if principal.role != crate::auth::Role::Admin {
+                    return Err(Status::permission_denied("registering agents needs an admin token"));
+                }
+                let agent_id = registration.agent_id.clone();
+                let seq = self.engine.register_agent(registration).await.map_err(status)?;
+                vec![api::AppendOutcome { agent_id, seq, ..Default::default() }]
+            }
+            None => return Err(Status::invalid_argument("observation: must be set")),
+        };
+        Ok(api::AppendResponse { correlation_id: request.correlation_id, outcomes, error: None })
+    }
+}
+
+/// Requests an AppendStream keeps in flight at once; responses still come in request order.
+const APPEND_STREAM_IN_FLIGHT_MAX: usize = 256;
+
+type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl api::ingest_server::Ingest for Services {
+    async fn append(&self, request: Request<api::AppendRequest>) -> Result<Response<api::AppendResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        Ok(Response::new(self.append_one(&principal, request.into_inner()).await?))
+    }
+
+    type AppendStreamStream = ResponseStream<api::AppendResponse>;
+
+    async fn append_stream(
+        &self,
+        request: Request<Streaming<api::AppendRequest>>,
+    ) -> Result<Response<Self::AppendStreamStream>, Status> {
+        let principal = Principal::of(&request)?;
+        let services = self.clone();
+        let responses = request
+            .into_inner()
+            .map(move |item| {
+                let services = services.clone();
+                let principal = principal.clone();
+                async move {
+                    let request = item?;
+                    let correlation_id = request.correlation_id.clone();
+                    Ok(match services.append_one(&principal, request).await {
+                        Ok(response) => response,
+                        Err(status) => api::AppendResponse {
+                            correlation_id,
+                            outcomes: Vec::new(),
+                            error: Some(api::ErrorDetail { code: status.code() as i32, message: status.message().to_owned() }),
+                        },
+                    })
+                }
+            })
+            .buffered(APPEND_STREAM_IN_FLIGHT_MAX);
+        Ok(Response::new(Box::pin(responses)))
+    }
+}
+
+#[tonic::async_trait]
+impl api::wakes_server::Wakes for Services {
+    async fn claim(&self, request: Request<api::ClaimRequest>) -> Result<Response<api::ClaimResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let claim = events::WakeClaimRequested {
+            agent_id: request.agent_id.clone(),
+            worker_id: request.worker_id,
+            item_id: request.item_id,
+        };
+        let outcome = self.engine.claim(claim, &request.request_id).await.map_err(status)?;
+        let wake = outcome.wake.map(|wake| {
+            let claimed = wake.claimed;
+            api::Wake {
+                agent_id: request.agent_id.clone(),
+                item_id: claimed.item.id.clone(),
+                reason: claimed.item.reason.as_str().to_owned(),
+                plan: claimed
+                    .plan
+                    .iter()
+                    .map(|entry| events::PlanSurface {
+                        surface: entry.surface.to_string(),
+                        expected_present: entry.expected.is_some(),
+                        expected_ordinal: entry.expected.unwrap_or(0),
+                        target_ordinal: entry.target,
+                    })
+                    .collect(),
+                text: wake.text,
+                reply_to: Some(claimed.item.reply_to.to_target()),
+                prepared_at_seq: outcome.seq,
+            }
+        });
+        Ok(Response::new(api::ClaimResponse { wake, settled_without_turn: outcome.settled_without_turn }))
+    }
+
+    async fn start(&self, request: Request<api::StartRequest>) -> Result<Response<api::StartResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let start = events::WakeStartRequested {
+            agent_id: request.agent_id,
+            worker_id: request.worker_id,
+            item_id: request.item_id,
+            plan: request.plan,
+        };
+        let seq = self.engine.start(start, &request.request_id).await.map_err(status)?;
+        Ok(Response::new(api::StartResponse { started_at_seq: seq }))
+    }
+
+    async fn finish(&self, request: Request<api::FinishRequest>) -> Result<Response<api::FinishResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let finish = events::WakeFinishRequested {
+            agent_id: request.agent_id,
+            worker_id: request.worker_id,
+            item_id: request.item_id,
+            outcome: request.outcome,
+            reason: request.reason,
+            restart_drain: request.restart_drain,
+        };
+        let (seq, _requeued) = self.engine.finish(finish, &request.request_id).await.map_err(status)?;
+        Ok(Response::new(api::FinishResponse { finished_at_seq: seq }))
+    }
+}
+
+#[tonic::async_trait]
+impl api::sends_server::Sends for Services {
+    async fn send(&self, request: Request<api::SendRequest>) -> Result<Response<api::SendResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let send = events::SendRequested {
+            agent_id: request.agent_id,
+            target: request.target,
+            kind: request.kind,
+            draft_bytes: request.draft_bytes,
+        };
+        let decision = self.engine.send(send, &request.request_id).await.map_err(status)?;
+        let verdict = match decision.verdict {
+            SendVerdict::Allowed { .. } => api::send_response::Verdict::Allowed(api::SendAllowed {}),
+            SendVerdict::Held(held) => api::send_response::Verdict::Held(api::SendHeld {
+                new_messages: u32::try_from(held.new_messages).unwrap_or(u32::MAX),
+                shown: held.shown.len() as u32,
+                omitted: u32::try_from(held.omitted).unwrap_or(u32::MAX),
+                notice: decision.notice.unwrap_or_default(),
+            }),
+        };
+        Ok(Response::new(api::SendResponse { decided_at_seq: decision.seq, verdict: Some(verdict) }))
+    }
+
+    async fn confirm(&self, request: Request<api::ConfirmRequest>) -> Result<Response<api::ConfirmResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let confirmation = events::SendConfirmed {
+            agent_id: request.agent_id,
+            target: request.target,
+            kind: request.kind,
+            ts: request.ts,
+            text: request.text,
+            files: request.files,
+        };
+        let outcome = self.engine.confirm(confirmation).await.map_err(status)?;
+        Ok(Response::new(api::ConfirmResponse {
+            seq: outcome.seq,
+            duplicate_event: outcome.duplicate_event,
+            ordinal: if outcome.journal.duplicate_message { 0 } else { outcome.journal.ordinal },
+        }))
+    }
+}

@@ -1,0 +1,20 @@
+//! Compiles the protobuf messages with `protox` (no `protoc` needed): the stored event schema and
+//! the messages of the gRPC API (the gateway generates only the service code, from the same
+//! descriptors, so each protobuf type has one Rust type). Keeps the encoded descriptor set, so
+//! tests can check the content marking of every string field of the stored schema.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    println!("cargo:rerun-if-changed={}", root.display());
+    let files = [root.join("anima/v1/events.proto"), root.join("anima/v1/api.proto")];
+    let descriptors = protox::compile(&files, [&root])?;
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out.join("events_descriptor.bin"),
+        prost::Message::encode_to_vec(&descriptors),
+    )?;
+    let mut config = prost_build::Config::new();
+    config.btree_map(["."]);
+    config.compile_fds(descriptors)?;
+    Ok(())
+}

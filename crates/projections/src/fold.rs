@@ -1,0 +1,273 @@
+//! The fold: applies one stored event at its place in the log and records the verdict for it.
+//!
+//! Every decision is made here, from the state at that position; time is the log's timestamp of
+//! the event (made monotonic). Observations are folded into journals and routed in the same
+//! step; requests (send, claim, start, finish) are judged and their verdicts recorded under the
+//! event's sequence.
+
+use prost::Message;
+
+use crate::journal::{RowBody, RowMeta};
+use crate::proto::{self, envelope::Payload};
+use crate::render;
+use crate::state::{
+    AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION, VERDICTS_KEPT_MAX,
+};
+use crate::surface::{slack_message_identity, SurfaceId};
+use crate::verdict::{JournalVerdict, Refusal, RefusalKind, Verdict};
+use crate::wake::{WakeItem, WakeReason};
+
+/// Slack subtypes that are journal rows; edits, deletes and joins are recorded but not rows.
+const OBSERVABLE_SUBTYPES: [&str; 3] = ["", "bot_message", "file_share"];
+
+impl State {
+    /// Decodes and applies one stored event. A payload that does not decode stops the fold
+    /// (fail closed): it cannot know what it skipped.
+    pub fn apply_bytes(&mut self, at: LogPosition, bytes: &[u8]) {
+        match proto::Envelope::decode(bytes) {
+            Ok(envelope) => self.apply(at, &envelope),
+            Err(e) => {
+                if self.meta.halted.is_none() {
+                    self.meta.halted = Some(Halt { seq: at.seq, reason: format!("event does not decode: {e}") });
+                }
+            }
+        }
+    }
+
+    /// Applies one event at its log position and records its verdict.
+    pub fn apply(&mut self, at: LogPosition, envelope: &proto::Envelope) {
+        if self.meta.halted.is_some() || at.seq <= self.meta.applied_seq {
+            return;
+        }
+        let at = LogPosition { seq: at.seq, at_ns: at.at_ns.max(self.meta.last_at_ns) };
+        self.meta.applied_seq = at.seq;
+        self.meta.last_at_ns = at.at_ns;
+        let verdict = match envelope.payload.as_ref() {
+            Some(Payload::AgentRegistered(registration)) => self.register_agent(at, registration),
+            Some(Payload::SlackMessage(message)) => self.observe_slack_message(at, message),
+            Some(Payload::Send(request)) => self.decide_send(at, request),
+            Some(Payload::SendConfirmed(confirmation)) => self.confirm_send(at, confirmation),
+            Some(Payload::WakeClaim(request)) => self.claim_wake(at, request),
+            Some(Payload::WakeStart(request)) => self.start_wake(at, request),
+            Some(Payload::WakeFinish(request)) => self.finish_wake(at, request),
+            None if envelope.min_reader_version > READER_VERSION => {
+                self.meta.halted = Some(Halt {
+                    seq: at.seq,
+                    reason: format!(
+                        "event {} needs reader version {} (this fold reads {READER_VERSION}); upgrade this instance",
+                        envelope.event_id, envelope.min_reader_version
+                    ),
+                });
+                return;
+            }
+            None => return,
+        };
+        self.verdicts.insert(at.seq, verdict);
+        while self.verdicts.len() > VERDICTS_KEPT_MAX {
+            self.verdicts.pop_first();
+        }
+    }
+
+    fn register_agent(&mut self, at: LogPosition, registration: &proto::AgentRegistered) -> Verdict {
+        if registration.agent_id.is_empty() {
+            return refused(RefusalKind::InvalidArgument, "agent_id is empty");
+        }
+        if let Some(old) = self.agents.get(&registration.agent_id).cloned() {
+            for key in identity_keys(&old.slack_bot_user_id, &old.slack_bot_id) {
+                if self.slack_identities.get(&key) == Some(&registration.agent_id) {
+                    self.slack_identities.remove(&key);
+                }
+            }
+        }
+        for key in identity_keys(&registration.slack_bot_user_id, &registration.slack_bot_id) {
+            self.slack_identities.insert(key, registration.agent_id.clone());
+        }
+        self.agents.insert(
+            registration.agent_id.clone(),
+            AgentRecord {
+                slack_bot_user_id: registration.slack_bot_user_id.clone(),
+                slack_bot_id: registration.slack_bot_id.clone(),
+                display_name: registration.display_name.clone(),
+                registered_seq: at.seq,
+            },
+        );
+        Verdict::AgentRegistered
+    }
+
+    /// The agent a Slack author belongs to: its user id is an agent's bot user id, or its bot id
+    /// is an agent's bot id or bot user id.
+    fn slack_owner(&self, user_id: &str, bot_id: &str) -> Option<String> {
+        let lookup = |key: String| self.slack_identities.get(&key).cloned();
+        (!user_id.is_empty())
+            .then(|| lookup(format!("u:{user_id}")))
+            .flatten()
+            .or_else(|| (!bot_id.is_empty()).then(|| lookup(format!("b:{bot_id}"))).flatten())
+            .or_else(|| (!bot_id.is_empty()).then(|| lookup(format!("u:{bot_id}"))).flatten())
+    }
+
+    fn observe_slack_message(&mut self, at: LogPosition, message: &proto::SlackMessageObserved) -> Verdict {
+        let agent = message.receiving_agent_id.clone();
+        let not_journaled =
+            |agent: String| Verdict::Journaled(JournalVerdict { agent, surface: None, ordinal: 0, duplicate_message: false, wake: None });
+        let kind_ok = matches!(
+            proto::SlackDeliveryKind::try_from(message.kind),
+            Ok(proto::SlackDeliveryKind::Message | proto::SlackDeliveryKind::AppMention)
+        );
+        let has_author = !message.user_id.is_empty() || !message.bot_id.is_empty();
+        let has_content = !message.text.trim().is_empty() || !message.files.is_empty();
+        let Some(ts_seconds) = crate::time::slack_ts_seconds(&message.ts) else {
+            return not_journaled(agent);
+        };
+        if !kind_ok
+            || message.team_id.is_empty()
+            || message.channel_id.is_empty()
+            || !OBSERVABLE_SUBTYPES.contains(&message.subtype.as_str())
+            || !has_author
+            || !has_content
+        {
+            return not_journaled(agent);
+        }
+        let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
+        let body = RowBody { text: message.text.clone(), user_name: message.user_name.clone(), files: message.files.clone() };
+        let owner = self.slack_owner(&message.user_id, &message.bot_id);
+        let existing = self.identities.get(&(surface.clone(), message.ts.clone())).copied();
+        let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
+        let row = row_meta(at, ordinal, &message.ts, ts_seconds, &message.user_id, &message.bot_id, owner, &body);
+        if existing.is_none() {
+            self.journal_row(&surface, row.clone());
+        }
+        let routable = !message.user_id.is_empty() && !message.text.trim().is_empty();
+        let mut wake = None;
+        if routable && self.agents.contains_key(&agent) && !row.is_own(&agent) && surface.is_dm() {
+            let item = WakeItem {
+                id: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
+                reason: WakeReason::Dm,
+                trigger_surface: surface.clone(),
+                trigger: row,
+                reply_to: surface.clone(),
+                queued_seq: at.seq,
+                queued_at_ns: at.at_ns,
+                resume_after_restart: false,
+            };
+            wake = self.queue_wake(at, &agent, item);
+        }
+        Verdict::Journaled(JournalVerdict {
+            agent,
+            surface: Some(surface),
+            ordinal,
+            duplicate_message: existing.is_some(),
+            wake,
+        })
+    }
+
+    fn confirm_send(&mut self, at: LogPosition, confirmation: &proto::SendConfirmed) -> Verdict {
+        let agent = confirmation.agent_id.clone();
+        let Some(record) = self.agents.get(&agent).cloned() else {
+            return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        };
+        let Some(surface) = confirmation.target.as_ref().and_then(SurfaceId::from_target) else {
+            return refused(RefusalKind::InvalidArgument, "target is missing");
+        };
+        let Some(ts_seconds) = crate::time::slack_ts_seconds(&confirmation.ts) else {
+            return refused(RefusalKind::InvalidArgument, "ts is not a Slack ts");
+        };
+        let existing = self.identities.get(&(surface.clone(), confirmation.ts.clone())).copied();
+        let ordinal = match existing {
+            Some(ordinal) => ordinal,
+            None => {
+                let body = RowBody { text: confirmation.text.clone(), user_name: String::new(), files: confirmation.files.clone() };
+                let ordinal = self.journal_tail(&surface) + 1;
+                let row = row_meta(
+                    at,
+                    ordinal,
+                    &confirmation.ts,
+                    ts_seconds,
+                    &record.slack_bot_user_id,
+                    &record.slack_bot_id,
+                    Some(agent.clone()),
+                    &body,
+                );
+                self.journal_row(&surface, row);
+                ordinal
+            }
+        };
+        Verdict::Journaled(JournalVerdict {
+            agent,
+            surface: Some(surface),
+            ordinal,
+            duplicate_message: existing.is_some(),
+            wake: None,
+        })
+    }
+
+    fn journal_tail(&self, surface: &SurfaceId) -> u64 {
+        self.journals.get(surface).map_or(0, |j| j.tail)
+    }
+
+    /// Appends a new row and remembers its identity, forgetting the surface's oldest one beyond
+    /// the dedupe window.
+    fn journal_row(&mut self, surface: &SurfaceId, row: RowMeta) {
+        let ordinal = row.ordinal;
+        let ts = row.ts.clone();
+        self.journals.entry_or_default(surface.clone()).push(row);
+        self.identities.insert((surface.clone(), ts.clone()), ordinal);
+        self.identity_order.insert((surface.clone(), ordinal), ts);
+        if ordinal > IDENTITIES_PER_SURFACE_MAX {
+            let oldest = (surface.clone(), ordinal - IDENTITIES_PER_SURFACE_MAX);
+            if let Some(old_ts) = self.identity_order.remove(&oldest) {
+                self.identities.remove(&(surface.clone(), old_ts));
+            }
+        }
+    }
+}
+
+/// Identity-table keys of an agent's Slack identities.
+fn identity_keys(bot_user_id: &str, bot_id: &str) -> Vec<String> {
+    let mut keys = Vec::new();
+    if !bot_user_id.is_empty() {
+        keys.push(format!("u:{bot_user_id}"));
+    }
+    if !bot_id.is_empty() {
+        keys.push(format!("b:{bot_id}"));
+    }
+    keys
+}
+
+#[allow(clippy::too_many_arguments)]
+fn row_meta(
+    at: LogPosition,
+    ordinal: u64,
+    ts: &str,
+    ts_seconds: i64,
+    user_id: &str,
+    bot_id: &str,
+    owner: Option<String>,
+    body: &RowBody,
+) -> RowMeta {
+    let mut meta = RowMeta {
+        ordinal,
+        seq: at.seq,
+        at_ns: at.at_ns,
+        ts: ts.to_owned(),
+        ts_seconds,
+        user_id: user_id.to_owned(),
+        bot_id: bot_id.to_owned(),
+        owner,
+        row_bytes: 0,
+        sender_bytes: 0,
+        body_bytes: 0,
+    };
+    let (row_bytes, sender_bytes) = render::row_sizes(&meta, body);
+    meta.row_bytes = saturating_u32(row_bytes);
+    meta.sender_bytes = saturating_u32(sender_bytes);
+    meta.body_bytes = saturating_u32(render::body_bytes(body));
+    meta
+}
+
+fn saturating_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+pub(crate) fn refused(kind: RefusalKind, message: impl Into<String>) -> Verdict {
+    Verdict::Refused(Refusal::new(kind, message))
+}

@@ -1,0 +1,202 @@
+//! The projection state: everything decisions need, as ordered tables keyed for checkpoints.
+//!
+//! Every table is a [`Table`] that remembers changed keys; the runner persists only those, each
+//! under a one-byte table tag plus the postcard encoding of its key. The canonical encoding of
+//! the whole state (tables in tag order, entries in key order) is what "byte-identical" means
+//! in the determinism tests and in `replay verify`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::journal::SurfaceJournal;
+use crate::surface::SurfaceId;
+use crate::table::Table;
+use crate::verdict::Verdict;
+use crate::wake::AgentQueue;
+
+/// Version of the fold: state layout and decision rules. A checkpoint taken by another version
+/// is discarded and state is rebuilt from the log.
+pub const FOLD_VERSION: u32 = 1;
+/// The highest `min_reader_version` this fold understands. An event that demands more and that
+/// the fold cannot read stops all deciding (fail closed).
+pub const READER_VERSION: u32 = 1;
+/// Verdicts kept, newest by sequence. A handler reads its verdict right after the fold applied
+/// its request; a retry long after gets the same answer only within this window.
+pub const VERDICTS_KEPT_MAX: usize = 65_536;
+/// Message identities remembered per surface for dedupe, on top of the log's own window.
+pub const IDENTITIES_PER_SURFACE_MAX: u64 = 5_000;
+
+/// Where an event sits in the log: its sequence and the log's timestamp (unix ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LogPosition {
+    pub seq: u64,
+    pub at_ns: i64,
+}
+
+/// Progress of the fold and whether it stopped deciding.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FoldMeta {
+    pub applied_seq: u64,
+    /// Log time of the newest applied event, made monotonic.
+    pub last_at_ns: i64,
+    /// Set when an event could not be understood safely: the fold applies nothing after it.
+    pub halted: Option<Halt>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Halt {
+    pub seq: u64,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRecord {
+    pub slack_bot_user_id: String,
+    pub slack_bot_id: String,
+    pub display_name: String,
+    pub registered_seq: u64,
+}
+
+/// Keys of per-(agent, surface) and per-(surface, x) tables.
+pub type AgentSurface = (String, SurfaceId);
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    pub meta: FoldMeta,
+    pub agents: Table<String, AgentRecord>,
+    /// Slack bot user ids and bot ids → the agent they belong to.
+    pub slack_identities: Table<String, String>,
+    pub journals: Table<SurfaceId, SurfaceJournal>,
+    /// (surface, ts) → ordinal, the dedupe window of message identities.
+    pub identities: Table<(SurfaceId, String), u64>,
+    /// (surface, ordinal) → ts, to evict the oldest identity of a surface.
+    pub identity_order: Table<(SurfaceId, u64), String>,
+    /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
+    pub cursors: Table<AgentSurface, u64>,
+    pub queues: Table<String, AgentQueue>,
+    /// (agent, item id) → log time it settled.
+    pub settled: Table<(String, String), i64>,
+    /// (agent, seq it settled at) → item id, oldest first, to forget the oldest.
+    pub settled_order: Table<(String, u64), String>,
+    pub verdicts: Table<u64, Verdict>,
+}
+
+/// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
+#[derive(Debug, thiserror::Error)]
+#[error("checkpoint entry does not decode ({table}): {reason}")]
+pub struct CheckpointDecodeError {
+    pub table: &'static str,
+    pub reason: String,
+}
+
+const META_TAG: u8 = 0;
+
+macro_rules! state_tables {
+    ($($tag:literal => $field:ident),* $(,)?) => {
+        impl State {
+            /// Changed entries since the last call, as (key, value) bytes; `None` removes the key.
+            /// The fold meta is always included.
+            pub fn drain_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+                let mut out = vec![(vec![META_TAG], Some(encode(&self.meta)))];
+                $(
+                    for (key, value) in self.$field.drain_changes() {
+                        out.push((tagged($tag, &key), value.map(encode)));
+                    }
+                )*
+                out
+            }
+
+            /// Loads one checkpoint entry written by [`State::drain_changes`].
+            pub fn load_entry(&mut self, key: &[u8], value: &[u8]) -> Result<(), CheckpointDecodeError> {
+                let (tag, rest) = key.split_first().ok_or_else(|| CheckpointDecodeError {
+                    table: "?",
+                    reason: "empty key".into(),
+                })?;
+                match *tag {
+                    META_TAG => self.meta = decode("meta", value)?,
+                    $(
+                        $tag => self.$field.load(decode(stringify!($field), rest)?, decode(stringify!($field), value)?),
+                    )*
+                    other => {
+                        return Err(CheckpointDecodeError { table: "?", reason: format!("unknown table tag {other}") })
+                    }
+                }
+                Ok(())
+            }
+
+            /// The canonical encoding of the whole state: equal states give equal bytes.
+            pub fn canonical_bytes(&self) -> Vec<u8> {
+                let mut out = encode(&self.meta);
+                $(
+                    out.push($tag);
+                    out.extend(encode(&(self.$field.len() as u64)));
+                    for (key, value) in self.$field.iter() {
+                        out.extend(encode(key));
+                        out.extend(encode(value));
+                    }
+                )*
+                out
+            }
+
+            /// Entries not yet checkpointed.
+            pub fn changed_len(&self) -> usize {
+                0 $(+ self.$field.changed_len())*
+            }
+        }
+    };
+}
+
+state_tables! {
+    1 => agents,
+    2 => slack_identities,
+    3 => journals,
+    4 => identities,
+    5 => identity_order,
+    6 => cursors,
+    7 => queues,
+    8 => settled,
+    9 => settled_order,
+    10 => verdicts,
+}
+
+fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+    // Serializing plain data into a Vec cannot fail.
+    postcard::to_allocvec(value).expect("postcard encodes plain data")
+}
+
+fn tagged<T: Serialize>(tag: u8, key: &T) -> Vec<u8> {
+    let mut out = vec![tag];
+    out.extend(encode(key));
+    out
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(table: &'static str, bytes: &[u8]) -> Result<T, CheckpointDecodeError> {
+    postcard::from_bytes(bytes).map_err(|e| CheckpointDecodeError { table, reason: e.to_string() })
+}
+
+impl State {
+    pub fn new() -> Self {
+        State::default()
+    }
+
+    /// The verdict recorded for the event at `seq`, if still kept.
+    pub fn verdict(&self, seq: u64) -> Option<&Verdict> {
+        self.verdicts.get(&seq)
+    }
+
+    pub fn cursor(&self, agent: &str, surface: &SurfaceId) -> Option<u64> {
+        self.cursors.get(&(agent.to_owned(), surface.clone())).copied()
+    }
+
+    pub fn journal(&self, surface: &SurfaceId) -> Option<&SurfaceJournal> {
+        self.journals.get(surface)
+    }
+
+    pub fn queue(&self, agent: &str) -> Option<&AgentQueue> {
+        self.queues.get(&agent.to_owned())
+    }
+
+    /// Whether the fold stopped deciding at or before `seq`.
+    pub fn halted_at_or_before(&self, seq: u64) -> Option<&Halt> {
+        self.meta.halted.as_ref().filter(|h| h.seq <= seq)
+    }
+}

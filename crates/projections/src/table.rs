@@ -1,0 +1,102 @@
+//! `Table`: an ordered map that remembers which keys changed since the last checkpoint, so the
+//! runner writes only changed keys. Ordered maps only: iteration order is part of the canonical
+//! state encoding.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table<K: Ord + Clone, V> {
+    map: BTreeMap<K, V>,
+    dirty: BTreeSet<K>,
+}
+
+impl<K: Ord + Clone, V> Default for Table<K, V> {
+    fn default() -> Self {
+        Self { map: BTreeMap::new(), dirty: BTreeSet::new() }
+    }
+}
+
+impl<K: Ord + Clone, V> Table<K, V> {
+    pub fn get(&self, key: &K) -> Option<&V> {
+        self.map.get(key)
+    }
+
+    pub fn contains_key(&self, key: &K) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// Mutable access; marks the key changed.
+    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        let value = self.map.get_mut(key)?;
+        if !self.dirty.contains(key) {
+            self.dirty.insert(key.clone());
+        }
+        Some(value)
+    }
+
+    /// Mutable access, inserting `V::default()` when absent; marks the key changed.
+    pub fn entry_or_default(&mut self, key: K) -> &mut V
+    where
+        V: Default,
+    {
+        if !self.dirty.contains(&key) {
+            self.dirty.insert(key.clone());
+        }
+        self.map.entry(key).or_default()
+    }
+
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        self.dirty.insert(key.clone());
+        self.map.insert(key, value)
+    }
+
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        let old = self.map.remove(key);
+        if old.is_some() {
+            self.dirty.insert(key.clone());
+        }
+        old
+    }
+
+    /// Removes and returns the smallest entry; marks it changed.
+    pub fn pop_first(&mut self) -> Option<(K, V)> {
+        let (key, value) = self.map.pop_first()?;
+        self.dirty.insert(key.clone());
+        Some((key, value))
+    }
+
+    pub fn first_key(&self) -> Option<&K> {
+        self.map.keys().next()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.map.iter()
+    }
+
+    pub fn range<R: std::ops::RangeBounds<K>>(&self, range: R) -> impl Iterator<Item = (&K, &V)> {
+        self.map.range(range)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// The keys changed since the last call, with their current value (`None`: removed).
+    pub fn drain_changes(&mut self) -> Vec<(K, Option<&V>)> {
+        let dirty = std::mem::take(&mut self.dirty);
+        dirty.into_iter().map(|k| { let v = self.map.get(&k); (k, v) }).collect()
+    }
+
+    /// Loads an entry from a checkpoint; not marked changed.
+    pub fn load(&mut self, key: K, value: V) {
+        self.map.insert(key, value);
+    }
+
+    pub fn changed_len(&self) -> usize {
+        self.dirty.len()
+    }
+}

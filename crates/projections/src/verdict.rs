@@ -1,0 +1,101 @@
+//! Verdicts: what the fold decided for each event, recorded in state under the event's log
+//! sequence. A command handler appends its request, waits until the fold has applied that
+//! sequence, and returns the verdict found here — never a decision of its own.
+
+use serde::{Deserialize, Serialize};
+
+use crate::journal::RowMeta;
+use crate::surface::SurfaceId;
+use crate::wake::{PlanEntry, WakeItem, WakeReason};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verdict {
+    /// A message observation (or a confirmed own post) was folded.
+    Journaled(JournalVerdict),
+    /// An agent registration was folded.
+    AgentRegistered,
+    Send(SendVerdict),
+    Claim(ClaimVerdict),
+    Started { item_id: String },
+    Finished { item_id: String, requeued: bool },
+    /// The request was refused; nothing changed.
+    Refused(Refusal),
+}
+
+/// What happened to one observation for its receiving agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalVerdict {
+    pub agent: String,
+    /// The surface it belongs to (`None`: not observable, recorded but not journaled).
+    pub surface: Option<SurfaceId>,
+    /// Its journal ordinal (0: not journaled).
+    pub ordinal: u64,
+    /// The message identity was already journaled; `ordinal` is the earlier row.
+    pub duplicate_message: bool,
+    /// The wake it queued for the agent, if any.
+    pub wake: Option<WakeReason>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SendVerdict {
+    /// Post it. The cursor (if the agent has one on the surface) passed the agent's own rows.
+    Allowed { surface: SurfaceId, cursor_before: Option<u64>, cursor_after: Option<u64> },
+    /// Foreign messages arrived after the cursor: show them; the cursor passed the tail.
+    Held(HeldSend),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldSend {
+    pub surface: SurfaceId,
+    pub cursor_before: u64,
+    pub tail: u64,
+    /// Rows after the cursor.
+    pub new_messages: u64,
+    /// Rows after the cursor not shown (the older ones).
+    pub omitted: u64,
+    /// The newest rows that fit the budget, oldest first.
+    pub shown: Vec<RowMeta>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClaimVerdict {
+    /// Nothing claimable. Items found already delivered were settled on the way.
+    Nothing { settled_without_turn: Vec<String> },
+    Claimed(Box<ClaimedWake>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimedWake {
+    pub item: WakeItem,
+    pub worker: String,
+    /// Per plan surface: the cursor the start expects and where it moves it.
+    pub plan: Vec<PlanEntry>,
+    /// Rows shown besides the trigger, in conversation-time order (ts, then log order).
+    pub rows: Vec<RowMeta>,
+    /// Rows after the cursors that are not shown.
+    pub not_shown: u64,
+    pub settled_without_turn: Vec<String>,
+}
+
+/// Why a request was refused, in the terms the API reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RefusalKind {
+    /// The request is malformed or names something unknown. Fix the input.
+    InvalidArgument,
+    /// Refused at its place in the log, may succeed if redone (stale plan, claim lost).
+    Aborted,
+    /// Refused because state does not allow it (fail closed, fold halted, not running).
+    FailedPrecondition,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    pub kind: RefusalKind,
+    pub message: String,
+}
+
+impl Refusal {
+    pub fn new(kind: RefusalKind, message: impl Into<String>) -> Self {
+        Refusal { kind, message: message.into() }
+    }
+}

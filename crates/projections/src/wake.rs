@@ -1,0 +1,341 @@
+//! The wake queue of one agent: items in log order, one active (claimed or running) item at a
+//! time, and the plans that claims prepare and starts apply.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::journal::RowMeta;
+use crate::surface::SurfaceId;
+
+/// Queued items per agent. An observation that would queue more is recorded without a wake
+/// (its verdict says so) rather than growing the queue without bound.
+pub const QUEUED_ITEMS_MAX: usize = 10_000;
+/// Settled item ids remembered per agent, for the duplicate check.
+pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
+/// How long a settled item id stays a duplicate, in log time.
+pub const SETTLED_REMEMBERED_NS: i64 = 14 * 24 * 3600 * 1_000_000_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum WakeReason {
+    Dm,
+    Mention,
+    ThreadFollow,
+    ChannelFollow,
+}
+
+impl WakeReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WakeReason::Dm => "dm",
+            WakeReason::Mention => "mention",
+            WakeReason::ThreadFollow => "thread_follow",
+            WakeReason::ChannelFollow => "channel_follow",
+        }
+    }
+}
+
+/// One wake waiting in (or taken from) an agent's queue.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WakeItem {
+    /// The triggering message's identity (`slack:{team}:{channel}:{ts}`).
+    pub id: String,
+    pub reason: WakeReason,
+    pub trigger_surface: SurfaceId,
+    /// The trigger row, kept here so the wake renders even after the journal window moved on.
+    pub trigger: RowMeta,
+    /// Where the agent's answer goes.
+    pub reply_to: SurfaceId,
+    pub queued_seq: u64,
+    pub queued_at_ns: i64,
+    /// Set when the item comes back after a runtime restart drained it.
+    pub resume_after_restart: bool,
+}
+
+/// One surface of a plan: the cursor the start expects, and where the start moves it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanEntry {
+    pub surface: SurfaceId,
+    pub expected: Option<u64>,
+    pub target: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActiveWake {
+    pub item: WakeItem,
+    pub worker: String,
+    pub plan: Vec<PlanEntry>,
+    pub claimed_seq: u64,
+    /// `Some` once a start was accepted.
+    pub started_seq: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentQueue {
+    pub queued: VecDeque<WakeItem>,
+    pub active: Option<ActiveWake>,
+    /// How many settled ids are remembered for this agent.
+    pub settled_remembered: u32,
+}
+
+impl AgentQueue {
+    pub fn holds(&self, item_id: &str) -> bool {
+        self.queued.iter().any(|i| i.id == item_id)
+            || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
+    }
+}
+
+use crate::fold::refused;
+use crate::proto;
+use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
+use crate::state::{LogPosition, State};
+use crate::verdict::{ClaimVerdict, ClaimedWake, RefusalKind, Verdict};
+
+impl State {
+    /// Queues `item` unless its id is active, queued, or settled within the remembered window.
+    /// Returns the reason when it was queued.
+    pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Option<WakeReason> {
+        let settled_key = (agent.to_owned(), item.id.clone());
+        if let Some(&settled_at) = self.settled.get(&settled_key) {
+            if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
+                return None;
+            }
+        }
+        let queue = self.queues.entry_or_default(agent.to_owned());
+        if queue.holds(&item.id) || queue.queued.len() >= QUEUED_ITEMS_MAX {
+            return None;
+        }
+        let reason = item.reason;
+        queue.queued.push_back(item);
+        Some(reason)
+    }
+
+    /// Records that `item_id` settled, forgetting the agent's oldest settled id beyond the bound.
+    fn remember_settled(&mut self, at: LogPosition, agent: &str, item_id: &str) {
+        self.settled.insert((agent.to_owned(), item_id.to_owned()), at.at_ns);
+        self.settled_order.insert((agent.to_owned(), at.seq), item_id.to_owned());
+        let queue = self.queues.entry_or_default(agent.to_owned());
+        queue.settled_remembered += 1;
+        if queue.settled_remembered as usize > SETTLED_REMEMBERED_MAX {
+            queue.settled_remembered -= 1;
+            let oldest = self
+                .settled_order
+                .range((agent.to_owned(), 0)..=(agent.to_owned(), u64::MAX))
+                .next()
+                .map(|(key, id)| (key.clone(), id.clone()));
+            if let Some((key, id)) = oldest {
+                self.settled_order.remove(&key);
+                self.settled.remove(&(agent.to_owned(), id));
+            }
+        }
+    }
+
+    /// The surfaces a wake's plan covers: the trigger's surface, and for a channel's top level
+    /// also the response thread at the trigger.
+    fn plan_surfaces(item: &WakeItem) -> Vec<SurfaceId> {
+        let SurfaceId::Slack { team, channel, thread_ts } = &item.trigger_surface;
+        if thread_ts.is_none() && !item.trigger_surface.is_dm() {
+            let thread = SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(item.trigger.ts.clone()) };
+            vec![item.trigger_surface.clone(), thread]
+        } else {
+            vec![item.trigger_surface.clone()]
+        }
+    }
+
+    /// Prepares a plan: the rows after the cursors, newest first across the plan's surfaces,
+    /// until 20 rows or the byte budget; the trigger always included. Moves nothing.
+    fn prepare_wake(&self, agent: &str, item: &WakeItem) -> (Vec<PlanEntry>, Vec<RowMeta>, u64) {
+        let surfaces = Self::plan_surfaces(item);
+        let mut budget = TEXT_BYTES_MAX.saturating_sub(render::wake_frame_bytes_max(item));
+        let mut candidates: Vec<(&SurfaceId, &RowMeta)> = Vec::new();
+        let mut after_cursors = 0u64;
+        for surface in &surfaces {
+            let cursor = self.cursor(agent, surface).unwrap_or(0);
+            if let Some(journal) = self.journals.get(surface) {
+                after_cursors += journal.tail.saturating_sub(cursor);
+                candidates.extend(
+                    journal
+                        .newest_after(cursor)
+                        .filter(|r| !(surface == &item.trigger_surface && r.ordinal == item.trigger.ordinal))
+                        .take(ROWS_SHOWN_MAX)
+                        .map(|r| (surface, r)),
+                );
+            }
+        }
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.1.seq));
+        let mut selected: Vec<(&SurfaceId, &RowMeta)> = Vec::new();
+        for (surface, row) in candidates {
+            let bytes = row.bytes_for(agent);
+            if selected.len() + 1 >= ROWS_SHOWN_MAX || bytes > budget {
+                break;
+            }
+            budget -= bytes;
+            selected.push((surface, row));
+        }
+        let plan = surfaces
+            .iter()
+            .map(|surface| {
+                let expected = self.cursor(agent, surface);
+                let mut target = expected.unwrap_or(0);
+                if surface == &item.trigger_surface {
+                    target = target.max(item.trigger.ordinal);
+                }
+                for (_, row) in selected.iter().filter(|(s, _)| *s == surface) {
+                    target = target.max(row.ordinal);
+                }
+                PlanEntry { surface: surface.clone(), expected, target }
+            })
+            .collect();
+        let trigger_after_cursor = u64::from(self.cursor(agent, &item.trigger_surface).unwrap_or(0) < item.trigger.ordinal);
+        let not_shown = after_cursors.saturating_sub(selected.len() as u64 + trigger_after_cursor);
+        let mut rows: Vec<RowMeta> = selected.into_iter().map(|(_, r)| r.clone()).collect();
+        rows.sort_by(|a, b| (a.ts_seconds, &a.ts, a.seq).cmp(&(b.ts_seconds, &b.ts, b.seq)));
+        (plan, rows, not_shown)
+    }
+
+    pub(crate) fn claim_wake(&mut self, at: LogPosition, request: &proto::WakeClaimRequested) -> Verdict {
+        let agent = request.agent_id.clone();
+        if !self.agents.contains_key(&agent) {
+            return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        }
+        if request.worker_id.is_empty() {
+            return refused(RefusalKind::InvalidArgument, "worker_id is empty");
+        }
+        if let Some(active) = self.queue(&agent).and_then(|q| q.active.as_ref()) {
+            return refused(
+                RefusalKind::Aborted,
+                format!("the agent already has a {} wake; this claim lost", if active.started_seq.is_some() { "running" } else { "claimed" }),
+            );
+        }
+        let mut settled_without_turn = Vec::new();
+        loop {
+            let Some(queue) = self.queues.get(&agent) else {
+                return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn });
+            };
+            let index = if request.item_id.is_empty() {
+                if queue.queued.is_empty() {
+                    return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn });
+                }
+                0
+            } else {
+                match queue.queued.iter().position(|i| i.id == request.item_id) {
+                    Some(index) => index,
+                    None if settled_without_turn.contains(&request.item_id) => {
+                        return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn })
+                    }
+                    None => return refused(RefusalKind::Aborted, "that item is not queued for this agent (claimed elsewhere or settled)"),
+                }
+            };
+            let item = queue.queued[index].clone();
+            let covered = self.cursor(&agent, &item.trigger_surface).is_some_and(|c| c >= item.trigger.ordinal);
+            if covered && !item.resume_after_restart {
+                self.queues.get_mut(&agent).expect("queue exists").queued.remove(index);
+                self.remember_settled(at, &agent, &item.id);
+                settled_without_turn.push(item.id);
+                continue;
+            }
+            let (plan, rows, not_shown) = self.prepare_wake(&agent, &item);
+            let queue = self.queues.get_mut(&agent).expect("queue exists");
+            queue.queued.remove(index);
+            queue.active = Some(ActiveWake {
+                item: item.clone(),
+                worker: request.worker_id.clone(),
+                plan: plan.clone(),
+                claimed_seq: at.seq,
+                started_seq: None,
+            });
+            return Verdict::Claim(ClaimVerdict::Claimed(Box::new(ClaimedWake {
+                item,
+                worker: request.worker_id.clone(),
+                plan,
+                rows,
+                not_shown,
+                settled_without_turn,
+            })));
+        }
+    }
+
+    pub(crate) fn start_wake(&mut self, at: LogPosition, request: &proto::WakeStartRequested) -> Verdict {
+        let agent = request.agent_id.clone();
+        let Some(active) = self.queue(&agent).and_then(|q| q.active.clone()) else {
+            return refused(RefusalKind::FailedPrecondition, "no wake of this agent is claimed");
+        };
+        if active.item.id != request.item_id || active.worker != request.worker_id {
+            return refused(RefusalKind::FailedPrecondition, "that item is not claimed by this worker");
+        }
+        if active.started_seq.is_some() {
+            return refused(RefusalKind::FailedPrecondition, "that wake already started");
+        }
+        let mut plan = Vec::with_capacity(request.plan.len());
+        for entry in &request.plan {
+            let Some(surface) = SurfaceId::parse(&entry.surface) else {
+                return refused(RefusalKind::InvalidArgument, format!("plan surface {:?} is not a surface key", entry.surface));
+            };
+            plan.push(PlanEntry {
+                surface,
+                expected: entry.expected_present.then_some(entry.expected_ordinal),
+                target: entry.target_ordinal,
+            });
+        }
+        if plan != active.plan {
+            return refused(RefusalKind::InvalidArgument, "plan differs from the one the claim prepared; hand it back unchanged");
+        }
+        if let Some(moved) = plan.iter().find(|p| self.cursor(&agent, &p.surface) != p.expected) {
+            let message = format!(
+                "plan is stale: the cursor of {} moved from {} to {} since the claim; claim again",
+                moved.surface,
+                describe_cursor(moved.expected),
+                describe_cursor(self.cursor(&agent, &moved.surface))
+            );
+            let queue = self.queues.get_mut(&agent).expect("queue exists");
+            if let Some(active) = queue.active.take() {
+                queue.queued.push_front(active.item);
+            }
+            return refused(RefusalKind::Aborted, message);
+        }
+        for entry in &plan {
+            let tail = self.journals.get(&entry.surface).map_or(0, |j| j.tail);
+            if entry.target > tail {
+                return refused(RefusalKind::FailedPrecondition, format!("plan target {} is beyond the tail {tail} of {}", entry.target, entry.surface));
+            }
+        }
+        for entry in plan {
+            let key = (agent.clone(), entry.surface);
+            let next = self.cursors.get(&key).copied().unwrap_or(0).max(entry.target);
+            self.cursors.insert(key, next);
+        }
+        if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
+            active.started_seq = Some(at.seq);
+        }
+        Verdict::Started { item_id: request.item_id.clone() }
+    }
+
+    pub(crate) fn finish_wake(&mut self, at: LogPosition, request: &proto::WakeFinishRequested) -> Verdict {
+        let agent = request.agent_id.clone();
+        let Some(active) = self.queue(&agent).and_then(|q| q.active.clone()) else {
+            return refused(RefusalKind::FailedPrecondition, "no wake of this agent is claimed or running");
+        };
+        if active.item.id != request.item_id || active.worker != request.worker_id {
+            return refused(RefusalKind::FailedPrecondition, "that item is not running for this worker");
+        }
+        let outcome = proto::WakeOutcome::try_from(request.outcome).unwrap_or(proto::WakeOutcome::Unspecified);
+        if outcome == proto::WakeOutcome::Unspecified {
+            return refused(RefusalKind::InvalidArgument, "outcome is unspecified");
+        }
+        let requeue = outcome == proto::WakeOutcome::Aborted && request.restart_drain;
+        let queue = self.queues.get_mut(&agent).expect("queue exists");
+        queue.active = None;
+        if requeue {
+            let mut item = active.item;
+            item.resume_after_restart = true;
+            queue.queued.push_front(item);
+        } else {
+            self.remember_settled(at, &agent, &active.item.id);
+        }
+        Verdict::Finished { item_id: request.item_id.clone(), requeued: requeue }
+    }
+}
+
+fn describe_cursor(cursor: Option<u64>) -> String {
+    cursor.map_or_else(|| "absent".to_owned(), |c| c.to_string())
+}

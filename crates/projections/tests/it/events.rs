@@ -1,0 +1,286 @@
+//! The vocabulary of the tests: builders of stored events (`proto::Envelope`), named after what
+//! happened. A message starts as `message(receiver, channel, ts)` and is refined with
+//! [`MessageExt`]: who wrote it, what it says, which thread it is in, which files it carries.
+//!
+//! Wake starts and finishes are usually built with the item and plan left open
+//! ([`start`], [`finish`]): the test log fills them in from the agent's active wake in state just
+//! before folding, the way a runtime hands back the plan its claim returned.
+
+use std::time::Duration;
+
+use anima_projections::proto::{self, envelope::Payload, Envelope};
+
+pub const TEAM: &str = "T1";
+
+/// Log time of the first event, unix ms (2023-11-14 22:13:20 UTC).
+pub const LOG_START_MS: i64 = 1_700_000_000_000;
+
+/// `source` of a start or finish whose item (and plan) the test log takes from state.
+pub const FROM_STATE: &str = "test:from-state";
+
+/// The Slack ts of the message sent `minute` minutes after 2023-11-14 22:13:20 UTC.
+pub fn ts(minute: u64) -> String {
+    format!("{}.000100", 1_700_000_000 + minute * 60)
+}
+
+fn envelope(event_id: String, payload: Payload) -> Envelope {
+    Envelope {
+        event_id,
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".to_owned(),
+        payload: Some(payload),
+    }
+}
+
+/// An agent and its Slack identities.
+pub fn agent(agent_id: &str, bot_user_id: &str, bot_id: &str) -> Envelope {
+    envelope(
+        format!("agent:{agent_id}"),
+        Payload::AgentRegistered(proto::AgentRegistered {
+            agent_id: agent_id.to_owned(),
+            slack_bot_user_id: bot_user_id.to_owned(),
+            slack_bot_id: bot_id.to_owned(),
+            display_name: agent_id.to_owned(),
+        }),
+    )
+}
+
+/// A Slack `message` delivery to `receiver`'s app, on the top level of `channel` (a DM when it
+/// starts with `D`), without author or content yet.
+pub fn message(receiver: &str, channel: &str, ts: &str) -> Envelope {
+    envelope(
+        format!("slack:{TEAM}:{channel}:{ts}:message:{receiver}"),
+        Payload::SlackMessage(proto::SlackMessageObserved {
+            receiving_agent_id: receiver.to_owned(),
+            kind: proto::SlackDeliveryKind::Message as i32,
+            team_id: TEAM.to_owned(),
+            channel_id: channel.to_owned(),
+            ts: ts.to_owned(),
+            ..Default::default()
+        }),
+    )
+}
+
+/// A DM from a human: the common trigger of a wake.
+pub fn dm_from_human(receiver: &str, channel: &str, ts: &str, text: &str) -> Envelope {
+    message(receiver, channel, ts).from_user("U1", "Uma").text(text)
+}
+
+fn target(channel: &str) -> proto::ReplyTarget {
+    proto::ReplyTarget {
+        target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
+            team_id: TEAM.to_owned(),
+            channel_id: channel.to_owned(),
+            thread_ts: String::new(),
+        })),
+    }
+}
+
+/// The agent asks before posting a message to the top level of `channel`.
+pub fn send(agent_id: &str, channel: &str) -> Envelope {
+    envelope(
+        format!("send:{agent_id}:{channel}"),
+        Payload::Send(proto::SendRequested {
+            agent_id: agent_id.to_owned(),
+            target: Some(target(channel)),
+            kind: proto::SendKind::Message as i32,
+            draft_bytes: 5,
+        }),
+    )
+}
+
+/// A post the agent made, confirmed and journaled as its own row.
+pub fn confirmed(agent_id: &str, channel: &str, ts: &str, text: &str) -> Envelope {
+    envelope(
+        format!("confirmed:{agent_id}:{channel}:{ts}"),
+        Payload::SendConfirmed(proto::SendConfirmed {
+            agent_id: agent_id.to_owned(),
+            target: Some(target(channel)),
+            kind: proto::SendKind::Message as i32,
+            ts: ts.to_owned(),
+            text: text.to_owned(),
+            files: Vec::new(),
+        }),
+    )
+}
+
+/// A worker asks for the agent's oldest claimable wake.
+pub fn claim(agent_id: &str, worker: &str) -> Envelope {
+    claim_item(agent_id, worker, "")
+}
+
+/// A worker asks for one named wake.
+pub fn claim_item(agent_id: &str, worker: &str, item: &str) -> Envelope {
+    envelope(
+        format!("claim:{agent_id}:{worker}"),
+        Payload::WakeClaim(proto::WakeClaimRequested {
+            agent_id: agent_id.to_owned(),
+            worker_id: worker.to_owned(),
+            item_id: item.to_owned(),
+        }),
+    )
+}
+
+/// The worker starts the agent's active wake with the plan its claim prepared, unchanged. After
+/// a cursor moved in between, that plan is stale.
+pub fn start(agent_id: &str, worker: &str) -> Envelope {
+    let mut start = start_with_plan(agent_id, worker, "", Vec::new());
+    start.source = FROM_STATE.to_owned();
+    start
+}
+
+/// A start with an explicit item and plan, e.g. a forged one.
+pub fn start_with_plan(agent_id: &str, worker: &str, item: &str, plan: Vec<proto::PlanSurface>) -> Envelope {
+    envelope(
+        format!("start:{agent_id}:{worker}"),
+        Payload::WakeStart(proto::WakeStartRequested {
+            agent_id: agent_id.to_owned(),
+            worker_id: worker.to_owned(),
+            item_id: item.to_owned(),
+            plan,
+        }),
+    )
+}
+
+/// One surface of a hand-written plan.
+pub fn plan_surface(surface: &str, expected: Option<u64>, target: u64) -> proto::PlanSurface {
+    proto::PlanSurface {
+        surface: surface.to_owned(),
+        expected_present: expected.is_some(),
+        expected_ordinal: expected.unwrap_or(0),
+        target_ordinal: target,
+    }
+}
+
+/// The worker finishes the agent's active wake.
+pub fn finish(agent_id: &str, worker: &str, outcome: proto::WakeOutcome) -> Envelope {
+    let mut finish = finish_item(agent_id, worker, "", outcome);
+    finish.source = FROM_STATE.to_owned();
+    finish
+}
+
+/// The worker finishes a named wake.
+pub fn finish_item(agent_id: &str, worker: &str, item: &str, outcome: proto::WakeOutcome) -> Envelope {
+    envelope(
+        format!("finish:{agent_id}:{worker}"),
+        Payload::WakeFinish(proto::WakeFinishRequested {
+            agent_id: agent_id.to_owned(),
+            worker_id: worker.to_owned(),
+            item_id: item.to_owned(),
+            outcome: outcome as i32,
+            reason: String::new(),
+            restart_drain: false,
+        }),
+    )
+}
+
+/// The runtime restarts and drains the agent's active wake.
+pub fn restart_drain(agent_id: &str, worker: &str) -> Envelope {
+    let mut drain = finish(agent_id, worker, proto::WakeOutcome::Aborted);
+    if let Some(Payload::WakeFinish(f)) = drain.payload.as_mut() {
+        f.restart_drain = true;
+        f.reason = "runtime restart".to_owned();
+    }
+    drain
+}
+
+/// Refinements of a built event.
+pub trait MessageExt {
+    /// Written by a Slack user (a human, or an agent's bot user), shown as `name`.
+    fn from_user(self, user_id: &str, name: &str) -> Self;
+    /// Written by a Slack bot (`bot_message`), with no user id.
+    fn from_bot(self, bot_id: &str, name: &str) -> Self;
+    fn text(self, text: &str) -> Self;
+    fn file(self, name: &str, size_bytes: u64) -> Self;
+    /// In the thread rooted at `thread_ts` (a message, a send or a confirmation).
+    fn in_thread(self, thread_ts: &str) -> Self;
+    fn subtype(self, subtype: &str) -> Self;
+    /// Delivered as `app_mention` instead of `message`.
+    fn app_mention(self) -> Self;
+    /// The same message, as another agent's app received it.
+    fn delivered_to(self, receiver: &str) -> Self;
+    /// The source clock (and so the log time the test log stamps) `after` the log's start.
+    fn occurred_after(self, after: Duration) -> Self;
+}
+
+fn slack_message(envelope: &mut Envelope) -> &mut proto::SlackMessageObserved {
+    match envelope.payload.as_mut() {
+        Some(Payload::SlackMessage(m)) => m,
+        other => panic!("not a Slack message: {other:?}"),
+    }
+}
+
+impl MessageExt for Envelope {
+    fn from_user(mut self, user_id: &str, name: &str) -> Self {
+        let m = slack_message(&mut self);
+        m.user_id = user_id.to_owned();
+        m.user_name = name.to_owned();
+        self
+    }
+
+    fn from_bot(mut self, bot_id: &str, name: &str) -> Self {
+        let m = slack_message(&mut self);
+        m.bot_id = bot_id.to_owned();
+        m.user_name = name.to_owned();
+        m.subtype = "bot_message".to_owned();
+        self
+    }
+
+    fn text(mut self, text: &str) -> Self {
+        match self.payload.as_mut() {
+            Some(Payload::SendConfirmed(c)) => c.text = text.to_owned(),
+            _ => slack_message(&mut self).text = text.to_owned(),
+        }
+        self
+    }
+
+    fn file(mut self, name: &str, size_bytes: u64) -> Self {
+        let file = proto::SlackFile { name: name.to_owned(), size_bytes };
+        match self.payload.as_mut() {
+            Some(Payload::SendConfirmed(c)) => c.files.push(file),
+            _ => slack_message(&mut self).files.push(file),
+        }
+        self
+    }
+
+    fn in_thread(mut self, thread_ts: &str) -> Self {
+        let target = match self.payload.as_mut() {
+            Some(Payload::SlackMessage(m)) => {
+                m.thread_ts = thread_ts.to_owned();
+                None
+            }
+            Some(Payload::Send(s)) => s.target.as_mut(),
+            Some(Payload::SendConfirmed(c)) => c.target.as_mut(),
+            other => panic!("has no thread: {other:?}"),
+        };
+        if let Some(proto::ReplyTarget { target: Some(proto::reply_target::Target::Slack(slack)) }) = target {
+            slack.thread_ts = thread_ts.to_owned();
+        }
+        self.event_id = format!("{}:thread:{thread_ts}", self.event_id);
+        self
+    }
+
+    fn subtype(mut self, subtype: &str) -> Self {
+        slack_message(&mut self).subtype = subtype.to_owned();
+        self
+    }
+
+    fn app_mention(mut self) -> Self {
+        slack_message(&mut self).kind = proto::SlackDeliveryKind::AppMention as i32;
+        self.event_id = self.event_id.replace(":message:", ":app_mention:");
+        self
+    }
+
+    fn delivered_to(mut self, receiver: &str) -> Self {
+        let m = slack_message(&mut self);
+        let old = std::mem::replace(&mut m.receiving_agent_id, receiver.to_owned());
+        self.event_id = self.event_id.replace(&format!(":{old}"), &format!(":{receiver}"));
+        self
+    }
+
+    fn occurred_after(mut self, after: Duration) -> Self {
+        self.occurred_at_ms = LOG_START_MS + i64::try_from(after.as_millis()).expect("a test duration");
+        self
+    }
+}

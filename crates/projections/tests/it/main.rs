@@ -1,0 +1,16 @@
+//! The one integration-test binary of `anima-projections`: the fold tested by its features,
+//! through the public API only.
+//!
+//! Every area reads as given/when/then: `given` events are folded at log sequences 1..n with
+//! increasing log time, `when` is folded next, and its recorded verdict is rendered as text and
+//! compared with a snapshot (`UPDATE_EXPECT=1 cargo test -p anima-projections` refreshes them).
+//! The vocabulary of events is in [`events`]; stamping, folding and resolving requests from state
+//! is in [`log`].
+
+mod determinism;
+mod events;
+mod journal;
+mod log;
+mod schema;
+mod send_hold;
+mod wake;

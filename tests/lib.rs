@@ -1,0 +1,1 @@
+//! Black-box tests live in `blackbox/`; this library target is empty.
