@@ -465,14 +465,11 @@ impl LogWriter {
     }
 
     fn write_group(&mut self, group: &[AppendRequest]) -> LogResult<Vec<Vec<AppendOutcome>>> {
-        let t0 = std::time::Instant::now();
         let planned = self.plan_group(group)?;
-        let t1 = std::time::Instant::now();
-        let written = self.tree.apply_batch(planned.batch);
-        let t2 = std::time::Instant::now();
-        let written = written.and_then(|()| self.tree.flush().map(|_| ()));
-        let t3 = std::time::Instant::now();
-        if std::env::var_os("PROF").is_some() { eprintln!("n={} plan {:?} apply {:?} flush {:?}", planned.outcomes.iter().map(|o| o.len()).sum::<usize>(), t1-t0, t2-t1, t3-t2); }
+        let written = self
+            .tree
+            .apply_batch(planned.batch)
+            .and_then(|()| self.tree.flush().map(|_| ()));
         if let Err(e) = written {
             let message = format!("sled write failed: {e}");
             tracing::error!(error = %e, "embedded log write failed; refusing further appends");

@@ -23,7 +23,8 @@ use crate::log::TestLog;
 
 const AGENTS: [&str; 2] = ["anna", "bert"];
 const CHANNELS: [&str; 3] = ["D1", "D2", "C1"];
-const WORKERS: [&str; 2] = ["w1", "w2"];
+/// Mostly one worker per agent, sometimes a second one racing it.
+const WORKERS: [&str; 4] = ["w1", "w1", "w1", "w2"];
 
 /// Slack identities per agent; anna's registration alternates between two sets.
 fn identities(agent: usize, variant: bool) -> (&'static str, &'static str) {
@@ -59,10 +60,11 @@ enum Action {
     Send { agent: usize, channel: usize, thread: u8 },
     Confirm { agent: usize, channel: usize, thread: u8 },
     Claim { agent: usize, worker: usize },
-    /// Start with the active plan, as the claim prepared it.
+    /// Start with the active plan, as the claim prepared it; `worker` as in [`Scenario::worker`].
     Start { agent: usize, worker: usize },
     /// An earlier start request appended again (a retry carrying an old plan).
     RepeatStart { which: usize },
+    /// `worker` as in [`Scenario::worker`].
     Finish { agent: usize, worker: usize, outcome: u8 },
     /// anna re-registers with her other set of identities.
     Reregister,
@@ -90,10 +92,10 @@ fn action() -> impl Strategy<Value = Action> {
         1 => any::<usize>().prop_map(|which| Action::Edit { which }),
         4 => (0..2usize, 0..3usize, 0..3u8).prop_map(|(agent, channel, thread)| Action::Send { agent, channel, thread }),
         1 => (0..2usize, 0..3usize, 0..3u8).prop_map(|(agent, channel, thread)| Action::Confirm { agent, channel, thread }),
-        3 => (0..2usize, 0..2usize).prop_map(|(agent, worker)| Action::Claim { agent, worker }),
-        3 => (0..2usize, 0..2usize).prop_map(|(agent, worker)| Action::Start { agent, worker }),
+        3 => (0..2usize, 0..4usize).prop_map(|(agent, worker)| Action::Claim { agent, worker }),
+        3 => (0..2usize, 0..4usize).prop_map(|(agent, worker)| Action::Start { agent, worker }),
         1 => any::<usize>().prop_map(|which| Action::RepeatStart { which }),
-        2 => (0..2usize, 0..2usize, 0..4u8).prop_map(|(agent, worker, outcome)| Action::Finish { agent, worker, outcome }),
+        2 => (0..2usize, 0..4usize, 0..4u8).prop_map(|(agent, worker, outcome)| Action::Finish { agent, worker, outcome }),
         1 => Just(Action::Reregister),
         1 => Just(Action::Checkpoint),
     ]
@@ -139,6 +141,16 @@ impl Scenario {
 
     fn agent_ids(&self, agent: usize) -> (&'static str, &'static str) {
         identities(agent, agent == 0 && self.anna_variant)
+    }
+
+    /// The worker of a start or finish: mostly the one holding the agent's active wake (as a
+    /// runtime would), sometimes `w2`, which may hold nothing.
+    fn worker(&self, agent: usize, worker: usize) -> String {
+        let active = self.log.state.queue(AGENTS[agent]).and_then(|q| q.active.as_ref());
+        match active {
+            Some(active) if worker < 3 => active.worker.clone(),
+            _ => WORKERS[worker].to_owned(),
+        }
     }
 
     fn act(&mut self, action: &Action) {
@@ -204,7 +216,8 @@ impl Scenario {
                 self.fold(claim(AGENTS[*agent], WORKERS[*worker]));
             }
             Action::Start { agent, worker } => {
-                let seq = self.fold(start(AGENTS[*agent], WORKERS[*worker]));
+                let worker = self.worker(*agent, *worker);
+                let seq = self.fold(start(AGENTS[*agent], &worker));
                 self.starts.push(self.log.events[seq as usize - 1].clone());
             }
             Action::RepeatStart { which } => {
@@ -213,7 +226,8 @@ impl Scenario {
                 }
             }
             Action::Finish { agent, worker, outcome } => {
-                let (agent, worker) = (AGENTS[*agent], WORKERS[*worker]);
+                let worker = self.worker(*agent, *worker);
+                let (agent, worker) = (AGENTS[*agent], worker.as_str());
                 let event = match outcome {
                     0 => finish(agent, worker, WakeOutcome::Completed),
                     1 => finish(agent, worker, WakeOutcome::Failed),
@@ -438,8 +452,6 @@ fn run(actions: &[Action]) -> Scenario {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
     #[test]
     fn random_interleavings_match_the_model_and_replay_identically(actions in prop::collection::vec(action(), 1..150)) {
         run(&actions);
@@ -485,14 +497,37 @@ impl SplitMix {
             7 => Action::Edit { which: index(self) },
             8..=11 => Action::Send { agent: self.below(2), channel: self.below(3), thread: self.below(3) as u8 },
             12 => Action::Confirm { agent: self.below(2), channel: self.below(3), thread: self.below(3) as u8 },
-            13..=15 => Action::Claim { agent: self.below(2), worker: self.below(2) },
-            16..=18 => Action::Start { agent: self.below(2), worker: self.below(2) },
+            13..=15 => Action::Claim { agent: self.below(2), worker: self.below(4) },
+            16..=18 => Action::Start { agent: self.below(2), worker: self.below(4) },
             19 => Action::RepeatStart { which: index(self) },
-            20 | 21 => Action::Finish { agent: self.below(2), worker: self.below(2), outcome: self.below(4) as u8 },
+            20 | 21 => Action::Finish { agent: self.below(2), worker: self.below(4), outcome: self.below(4) as u8 },
             22 => Action::Reregister,
             _ => Action::Checkpoint,
         }
     }
+}
+
+#[test]
+fn stats_tmp() {
+    let mut counts = BTreeMap::<String, usize>::new();
+    for seed in [1_u64, 2, 3] {
+        let mut random = SplitMix(seed);
+        let actions: Vec<Action> = (0..2_000).map(|_| random.action()).collect();
+        let scenario = run(&actions);
+        for seq in 1..=scenario.log.events.len() as u64 {
+            let key = match scenario.log.state.verdict(seq) {
+                Some(Verdict::Send(SendVerdict::Allowed { cursor_before: None, .. })) => "allowed-no-cursor".to_owned(),
+                Some(Verdict::Send(SendVerdict::Allowed { .. })) => "allowed-cursor".to_owned(),
+                Some(Verdict::Send(SendVerdict::Held(_))) => "held".to_owned(),
+                Some(Verdict::Refused(r)) => format!("refused {:?} {}", r.kind, r.message.split(':').next().unwrap()),
+                Some(Verdict::Claim(c)) => format!("claim {}", matches!(c, anima_projections::verdict::ClaimVerdict::Claimed(_))),
+                Some(v) => format!("{v:?}").chars().take(12).collect(),
+                None => "none".to_owned(),
+            };
+            *counts.entry(key).or_default() += 1;
+        }
+    }
+    eprintln!("{counts:#?}");
 }
 
 #[test]

@@ -1,0 +1,2 @@
+//! Placeholder while dependencies build.
+fn main() {}
