@@ -123,18 +123,13 @@ pub fn check_subject(subject: &str) -> Result<(), SubjectError> {
         return Err(SubjectError::Empty);
     }
     if subject.len() > SUBJECT_BYTES_MAX {
-        return Err(SubjectError::TooLong {
-            bytes: subject.len(),
-        });
+        return Err(SubjectError::TooLong { bytes: subject.len() });
     }
     for (index, token) in subject.split('.').enumerate() {
         if token.is_empty() {
             return Err(SubjectError::EmptyToken { index });
         }
-        if let Some(character) = token
-            .chars()
-            .find(|c| matches!(c, '*' | '>') || c.is_whitespace() || c.is_control())
-        {
+        if let Some(character) = token.chars().find(|c| matches!(c, '*' | '>') || c.is_whitespace() || c.is_control()) {
             return Err(SubjectError::ForbiddenCharacter { index, character });
         }
     }
@@ -145,11 +140,7 @@ pub fn check_subject(subject: &str) -> Result<(), SubjectError> {
 /// `anima.v1.surface.slack.<team>.<channel>`, or one thread,
 /// `anima.v1.surface.slack.<team>.<channel>.thread.<thread_ts>`. Every id is encoded.
 pub fn slack_surface_subject(team: &str, channel: &str, thread_ts: Option<&str>) -> String {
-    let mut subject = format!(
-        "anima.v1.surface.slack.{}.{}",
-        encode_token(team),
-        encode_token(channel)
-    );
+    let mut subject = format!("anima.v1.surface.slack.{}.{}", encode_token(team), encode_token(channel));
     if let Some(thread_ts) = thread_ts {
         subject.push_str(".thread.");
         subject.push_str(&encode_token(thread_ts));
@@ -182,9 +173,7 @@ mod tests {
 
     #[test]
     fn decode_refuses_what_encode_cannot_produce() {
-        for token in [
-            "", "a.b", "_2", "_2e", "_41", "_G0", "a b", "__", "_C3", "x*",
-        ] {
+        for token in ["", "a.b", "_2", "_2e", "_41", "_G0", "a b", "__", "_C3", "x*"] {
             assert_eq!(decode_token(token), None, "token {token:?}");
         }
         assert_eq!(decode_token("_"), Some(String::new()));
@@ -195,48 +184,18 @@ mod tests {
     fn check_subject_names_the_problem() {
         assert_eq!(check_subject("anima.v1.config"), Ok(()));
         assert_eq!(check_subject(""), Err(SubjectError::Empty));
-        assert_eq!(
-            check_subject("anima..v1"),
-            Err(SubjectError::EmptyToken { index: 1 })
-        );
-        assert_eq!(
-            check_subject("anima.v1."),
-            Err(SubjectError::EmptyToken { index: 2 })
-        );
-        assert_eq!(
-            check_subject("anima.v1.*"),
-            Err(SubjectError::ForbiddenCharacter {
-                index: 2,
-                character: '*'
-            })
-        );
-        assert_eq!(
-            check_subject("anima.v1.a>"),
-            Err(SubjectError::ForbiddenCharacter {
-                index: 2,
-                character: '>'
-            })
-        );
-        assert_eq!(
-            check_subject("anima.v1.a b"),
-            Err(SubjectError::ForbiddenCharacter {
-                index: 2,
-                character: ' '
-            })
-        );
+        assert_eq!(check_subject("anima..v1"), Err(SubjectError::EmptyToken { index: 1 }));
+        assert_eq!(check_subject("anima.v1."), Err(SubjectError::EmptyToken { index: 2 }));
+        assert_eq!(check_subject("anima.v1.*"), Err(SubjectError::ForbiddenCharacter { index: 2, character: '*' }));
+        assert_eq!(check_subject("anima.v1.a>"), Err(SubjectError::ForbiddenCharacter { index: 2, character: '>' }));
+        assert_eq!(check_subject("anima.v1.a b"), Err(SubjectError::ForbiddenCharacter { index: 2, character: ' ' }));
         let long = format!("anima.v1.{}", "a".repeat(SUBJECT_BYTES_MAX));
-        assert!(matches!(
-            check_subject(&long),
-            Err(SubjectError::TooLong { .. })
-        ));
+        assert!(matches!(check_subject(&long), Err(SubjectError::TooLong { .. })));
     }
 
     #[test]
     fn builders_give_the_documented_shapes() {
-        assert_eq!(
-            slack_surface_subject("T1", "C1", None),
-            "anima.v1.surface.slack.T1.C1"
-        );
+        assert_eq!(slack_surface_subject("T1", "C1", None), "anima.v1.surface.slack.T1.C1");
         assert_eq!(
             slack_surface_subject("T1", "C1", Some("1712345678.123456")),
             "anima.v1.surface.slack.T1.C1.thread.1712345678_2E123456"

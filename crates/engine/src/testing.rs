@@ -52,12 +52,7 @@ impl NatsServer {
         let mut last_failure = String::new();
         for _ in 0..START_ATTEMPTS_MAX {
             let port = free_loopback_port();
-            let mut server = NatsServer {
-                binary: binary.clone(),
-                port,
-                dir,
-                child: None,
-            };
+            let mut server = NatsServer { binary: binary.clone(), port, dir, child: None };
             match server.spawn_and_wait() {
                 Ok(()) => return server,
                 Err(failure) => {
@@ -101,9 +96,7 @@ impl NatsServer {
             .append(true)
             .open(&log_path)
             .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+        let log_err = log.try_clone().map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
         let child = Command::new(&self.binary)
             .arg("-js")
             .arg("-sd")
@@ -179,18 +172,14 @@ fn find_binary() -> Option<PathBuf> {
         return is_executable(&binary).then_some(binary);
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("nats-server"))
-        .find(|candidate| is_executable(candidate))
+    std::env::split_paths(&path).map(|dir| dir.join("nats-server")).find(|candidate| is_executable(candidate))
 }
 
 fn is_executable(path: &Path) -> bool {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        path.metadata()
-            .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
-            .unwrap_or(false)
+        path.metadata().map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0).unwrap_or(false)
     }
     #[cfg(not(unix))]
     {

@@ -32,10 +32,7 @@ use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{
-    validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord,
-    SubjectFilter,
-};
+use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter};
 
 /// Name of the sled tree holding the log; the same `Db` may hold other trees (checkpoints).
 const TREE_NAME: &str = "log";
@@ -80,10 +77,7 @@ pub struct EmbeddedConfig {
 
 impl Default for EmbeddedConfig {
     fn default() -> Self {
-        EmbeddedConfig {
-            duplicate_window: Duration::from_secs(10 * 60),
-            group_commit_records_max: 4096,
-        }
+        EmbeddedConfig { duplicate_window: Duration::from_secs(10 * 60), group_commit_records_max: 4096 }
     }
 }
 
@@ -123,9 +117,7 @@ impl EmbeddedLog {
     /// recovered from the tree.
     pub fn open(db: sled::Db, config: EmbeddedConfig) -> LogResult<Self> {
         if config.duplicate_window.is_zero() {
-            return Err(LogError::Store(
-                "embedded log misconfigured: duplicate_window must be positive".into(),
-            ));
+            return Err(LogError::Store("embedded log misconfigured: duplicate_window must be positive".into()));
         }
         if config.group_commit_records_max == 0 {
             return Err(LogError::Store(
@@ -165,16 +157,10 @@ impl EmbeddedLog {
     }
 
     /// Hands `records` to the writer; the receiver answers once they are flushed.
-    async fn submit(
-        &self,
-        records: Vec<AppendRecord>,
-    ) -> LogResult<oneshot::Receiver<LogResult<Vec<AppendOutcome>>>> {
+    async fn submit(&self, records: Vec<AppendRecord>) -> LogResult<oneshot::Receiver<LogResult<Vec<AppendOutcome>>>> {
         let requests = self.requests.as_ref().ok_or_else(writer_stopped)?;
         let (reply, answer) = oneshot::channel();
-        requests
-            .send(AppendRequest { records, reply })
-            .await
-            .map_err(|_| writer_stopped())?;
+        requests.send(AppendRequest { records, reply }).await.map_err(|_| writer_stopped())?;
         Ok(answer)
     }
 
@@ -204,15 +190,8 @@ impl EventLog for EmbeddedLog {
 
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
         validate_record(&record)?;
-        let outcomes = self
-            .submit(vec![record])
-            .await?
-            .await
-            .map_err(|_| writer_stopped())??;
-        outcomes
-            .into_iter()
-            .next()
-            .ok_or_else(|| LogError::Store("embedded log writer answered no outcome".into()))
+        let outcomes = self.submit(vec![record]).await?.await.map_err(|_| writer_stopped())??;
+        outcomes.into_iter().next().ok_or_else(|| LogError::Store("embedded log writer answered no outcome".into()))
     }
 
     async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
@@ -256,11 +235,7 @@ impl EventLog for EmbeddedLog {
             filter.validate()?;
         }
         let bound = to_seq.min(self.current_last_seq());
-        let state = ReadState {
-            tree: self.tree.clone(),
-            next_seq: from_seq.max(1),
-            filter,
-        };
+        let state = ReadState { tree: self.tree.clone(), next_seq: from_seq.max(1), filter };
         let records = stream::unfold(Some(state), move |state| async move {
             let mut state = state?;
             if state.next_seq > bound {
@@ -282,11 +257,7 @@ impl EventLog for EmbeddedLog {
         if let Some(filter) = &filter {
             filter.validate()?;
         }
-        let state = ReadState {
-            tree: self.tree.clone(),
-            next_seq: from_seq.max(1),
-            filter,
-        };
+        let state = ReadState { tree: self.tree.clone(), next_seq: from_seq.max(1), filter };
         let last_seq = self.last_seq.clone();
         let records = stream::unfold(Some((state, last_seq)), |state| async move {
             let (mut state, mut last_seq) = state?;
@@ -299,10 +270,7 @@ impl EventLog for EmbeddedLog {
                 }
             };
             match state.next_chunk(bound).await {
-                Ok(chunk) => Some((
-                    chunk.into_iter().map(Ok).collect::<Vec<_>>(),
-                    Some((state, last_seq)),
-                )),
+                Ok(chunk) => Some((chunk.into_iter().map(Ok).collect::<Vec<_>>(), Some((state, last_seq)))),
                 Err(e) => Some((vec![Err(e)], None)),
             }
         });
@@ -317,9 +285,7 @@ impl EventLog for EmbeddedLog {
         tokio::task::spawn_blocking(move || -> LogResult<Option<StoredRecord>> {
             match tree.get(record_key(seq)).map_err(store_error)? {
                 Some(value) => Ok(Some(decode_record(seq, &value)?)),
-                None => Err(LogError::Store(format!(
-                    "record {seq} is missing below the last flushed seq"
-                ))),
+                None => Err(LogError::Store(format!("record {seq} is missing below the last flushed seq"))),
             }
         })
         .await
@@ -346,11 +312,10 @@ impl ReadState {
         let tree = self.tree.clone();
         let filter = self.filter.clone();
         let from_seq = self.next_seq;
-        let (records, next_seq) = tokio::task::spawn_blocking(move || {
-            read_chunk(&tree, from_seq, bound, filter.as_ref())
-        })
-        .await
-        .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
+        let (records, next_seq) =
+            tokio::task::spawn_blocking(move || read_chunk(&tree, from_seq, bound, filter.as_ref()))
+                .await
+                .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
         self.next_seq = next_seq;
         Ok(records)
     }
@@ -373,9 +338,7 @@ fn read_chunk(
         let (key, value) = entry.map_err(store_error)?;
         let seq = record_key_seq(&key)?;
         if seq != expected {
-            return Err(LogError::Store(format!(
-                "record {expected} is missing (next stored is {seq})"
-            )));
+            return Err(LogError::Store(format!("record {expected} is missing (next stored is {seq})")));
         }
         expected = seq + 1;
         let parts = decode_record_parts(seq, &value)?;
@@ -388,9 +351,7 @@ fn read_chunk(
         }
     }
     if expected == from_seq && from_seq <= bound {
-        return Err(LogError::Store(format!(
-            "record {from_seq} is missing below the last flushed seq {bound}"
-        )));
+        return Err(LogError::Store(format!("record {from_seq} is missing below the last flushed seq {bound}")));
     }
     Ok((records, expected))
 }
@@ -466,10 +427,7 @@ impl LogWriter {
 
     fn write_group(&mut self, group: &[AppendRequest]) -> LogResult<Vec<Vec<AppendOutcome>>> {
         let planned = self.plan_group(group)?;
-        let written = self
-            .tree
-            .apply_batch(planned.batch)
-            .and_then(|()| self.tree.flush().map(|_| ()));
+        let written = self.tree.apply_batch(planned.batch).and_then(|()| self.tree.flush().map(|_| ()));
         if let Err(e) = written {
             let message = format!("sled write failed: {e}");
             tracing::error!(error = %e, "embedded log write failed; refusing further appends");
@@ -516,15 +474,9 @@ impl LogWriter {
                 }
                 last_seq += 1;
                 last_timestamp_ns = timestamp_ns;
-                batch.insert(
-                    &record_key(last_seq)[..],
-                    encode_record(timestamp_ns, record),
-                );
+                batch.insert(&record_key(last_seq)[..], encode_record(timestamp_ns, record));
                 batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
-                batch.insert(
-                    &expiry_key(timestamp_ns, last_seq)[..],
-                    record.msg_id.as_bytes(),
-                );
+                batch.insert(&expiry_key(timestamp_ns, last_seq)[..], record.msg_id.as_bytes());
                 stored_here.insert(record.msg_id.as_str(), last_seq);
                 request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
             }
@@ -534,17 +486,10 @@ impl LogWriter {
         self.plan_pruning(
             &mut batch,
             &stored_here,
-            last_timestamp_ns
-                .max(now_ns)
-                .saturating_sub(self.duplicate_window_ns),
+            last_timestamp_ns.max(now_ns).saturating_sub(self.duplicate_window_ns),
             (records_total * 2).max(PRUNE_PER_COMMIT_MIN),
         )?;
-        Ok(PlannedGroup {
-            batch,
-            outcomes,
-            last_seq,
-            last_timestamp_ns,
-        })
+        Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns })
     }
 
     /// Removes up to `limit` msg ids stored before `window_start_ns`, oldest first. The msg-id
@@ -563,8 +508,8 @@ impl LogWriter {
             let (key, msg_id) = entry.map_err(store_error)?;
             batch.remove(key.clone());
             let expired_seq = expiry_key_seq(&key)?;
-            let msg_id_str = std::str::from_utf8(&msg_id)
-                .map_err(|_| LogError::Store("stored msg id is not UTF-8".into()))?;
+            let msg_id_str =
+                std::str::from_utf8(&msg_id).map_err(|_| LogError::Store("stored msg id is not UTF-8".into()))?;
             if stored_here.contains_key(msg_id_str) {
                 continue;
             }
@@ -610,11 +555,7 @@ fn open_metadata(tree: &sled::Tree) -> LogResult<String> {
 
 /// The last stored seq and its timestamp (0, 0 when empty).
 fn recover_tail(tree: &sled::Tree) -> LogResult<(u64, i64)> {
-    let last = tree
-        .range(record_key(0)..=record_key(u64::MAX))
-        .next_back()
-        .transpose()
-        .map_err(store_error)?;
+    let last = tree.range(record_key(0)..=record_key(u64::MAX)).next_back().transpose().map_err(store_error)?;
     match last {
         None => Ok((0, 0)),
         Some((key, value)) => {
@@ -634,10 +575,9 @@ fn record_key(seq: u64) -> [u8; 9] {
 
 fn record_key_seq(key: &[u8]) -> LogResult<u64> {
     match key {
-        [PREFIX_RECORD, seq @ ..] => seq
-            .try_into()
-            .map(u64::from_be_bytes)
-            .map_err(|_| LogError::Store("malformed record key".into())),
+        [PREFIX_RECORD, seq @ ..] => {
+            seq.try_into().map(u64::from_be_bytes).map_err(|_| LogError::Store("malformed record key".into()))
+        }
         _ => Err(LogError::Store("malformed record key".into())),
     }
 }
@@ -696,8 +636,7 @@ fn meta_key(name: &[u8]) -> Vec<u8> {
 fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
     let subject = record.subject.as_bytes();
     let msg_id = record.msg_id.as_bytes();
-    let mut value =
-        Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
+    let mut value = Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
     value.push(RECORD_VERSION);
     value.extend_from_slice(&timestamp_ns.to_be_bytes());
     // validate_record bounds subjects (SUBJECT_BYTES_MAX) and msg ids (256 bytes) far below
@@ -748,29 +687,14 @@ fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
     if take(1, "version")? != [RECORD_VERSION] {
         return Err(malformed("unknown version"));
     }
-    let timestamp_ns = i64::from_be_bytes(
-        take(8, "timestamp")?
-            .try_into()
-            .map_err(|_| malformed("timestamp"))?,
-    );
-    let subject_len = u32::from_be_bytes(
-        take(4, "subject length")?
-            .try_into()
-            .map_err(|_| malformed("subject length"))?,
-    ) as usize;
-    let subject = std::str::from_utf8(take(subject_len, "subject")?)
-        .map_err(|_| malformed("subject is not UTF-8"))?;
-    let msg_id_len = u16::from_be_bytes(
-        take(2, "msg id length")?
-            .try_into()
-            .map_err(|_| malformed("msg id length"))?,
-    ) as usize;
+    let timestamp_ns = i64::from_be_bytes(take(8, "timestamp")?.try_into().map_err(|_| malformed("timestamp"))?);
+    let subject_len =
+        u32::from_be_bytes(take(4, "subject length")?.try_into().map_err(|_| malformed("subject length"))?) as usize;
+    let subject = std::str::from_utf8(take(subject_len, "subject")?).map_err(|_| malformed("subject is not UTF-8"))?;
+    let msg_id_len =
+        u16::from_be_bytes(take(2, "msg id length")?.try_into().map_err(|_| malformed("msg id length"))?) as usize;
     take(msg_id_len, "msg id")?;
-    Ok(RecordParts {
-        timestamp_ns,
-        subject,
-        payload: rest,
-    })
+    Ok(RecordParts { timestamp_ns, subject, payload: rest })
 }
 
 fn payload_bytes(records: &[AppendRecord]) -> usize {
@@ -780,10 +704,7 @@ fn payload_bytes(records: &[AppendRecord]) -> usize {
 /// Wall clock in unix nanoseconds; a clock before 1970 reads as 0 (the writer's monotonic stamp
 /// then keeps time moving forward).
 fn wall_clock_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(duration_ns)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(duration_ns).unwrap_or(0)
 }
 
 fn duration_ns(duration: Duration) -> i64 {
@@ -803,11 +724,7 @@ mod tests {
     use super::*;
 
     fn record(subject: &str, msg_id: &str, payload: &'static [u8]) -> AppendRecord {
-        AppendRecord {
-            subject: subject.into(),
-            msg_id: msg_id.into(),
-            payload: Bytes::from_static(payload),
-        }
+        AppendRecord { subject: subject.into(), msg_id: msg_id.into(), payload: Bytes::from_static(payload) }
     }
 
     #[test]
@@ -834,35 +751,20 @@ mod tests {
     async fn expired_msg_ids_are_pruned_and_can_be_stored_again() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
-        let config = EmbeddedConfig {
-            duplicate_window: Duration::from_millis(50),
-            ..EmbeddedConfig::default()
-        };
+        let config = EmbeddedConfig { duplicate_window: Duration::from_millis(50), ..EmbeddedConfig::default() };
         let log = EmbeddedLog::open(db.clone(), config).expect("open");
-        let first = log
-            .append(record("anima.v1.config", "same", b"a"))
-            .await
-            .expect("append");
+        let first = log.append(record("anima.v1.config", "same", b"a")).await.expect("append");
         assert_eq!(first, AppendOutcome::Appended { seq: 1 });
-        let again = log
-            .append(record("anima.v1.config", "same", b"a"))
-            .await
-            .expect("append");
+        let again = log.append(record("anima.v1.config", "same", b"a")).await.expect("append");
         assert_eq!(again, AppendOutcome::Duplicate { seq: 1 });
         tokio::time::sleep(Duration::from_millis(80)).await;
-        let later = log
-            .append(record("anima.v1.config", "same", b"b"))
-            .await
-            .expect("append");
+        let later = log.append(record("anima.v1.config", "same", b"b")).await.expect("append");
         assert_eq!(later, AppendOutcome::Appended { seq: 2 });
         // The expiry entry of seq 1 was pruned by that commit; seq 2's msg id entry survives.
         let tree = db.open_tree(TREE_NAME).expect("tree");
         let expiry_entries = tree.scan_prefix([PREFIX_EXPIRY]).count();
         assert_eq!(expiry_entries, 1);
-        let entry = tree
-            .get(msg_id_key("same"))
-            .expect("get")
-            .expect("msg id entry");
+        let entry = tree.get(msg_id_key("same")).expect("get").expect("msg id entry");
         assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
     }
 
@@ -870,21 +772,9 @@ mod tests {
     fn refuses_nonsense_configuration() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
-        let zero_window = EmbeddedConfig {
-            duplicate_window: Duration::ZERO,
-            ..EmbeddedConfig::default()
-        };
-        assert!(matches!(
-            EmbeddedLog::open(db.clone(), zero_window),
-            Err(LogError::Store(_))
-        ));
-        let zero_group = EmbeddedConfig {
-            group_commit_records_max: 0,
-            ..EmbeddedConfig::default()
-        };
-        assert!(matches!(
-            EmbeddedLog::open(db, zero_group),
-            Err(LogError::Store(_))
-        ));
+        let zero_window = EmbeddedConfig { duplicate_window: Duration::ZERO, ..EmbeddedConfig::default() };
+        assert!(matches!(EmbeddedLog::open(db.clone(), zero_window), Err(LogError::Store(_))));
+        let zero_group = EmbeddedConfig { group_commit_records_max: 0, ..EmbeddedConfig::default() };
+        assert!(matches!(EmbeddedLog::open(db, zero_group), Err(LogError::Store(_))));
     }
 }

@@ -10,9 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
-use anima_engine::log::{
-    AppendOutcome, AppendRecord, EventLog, LogError, StoredRecord, SubjectFilter,
-};
+use anima_engine::log::{AppendOutcome, AppendRecord, EventLog, LogError, StoredRecord, SubjectFilter};
 use anima_engine::subject::{agent_subject, slack_surface_subject, CONFIG_SUBJECT};
 use anima_engine::testing::NatsServer;
 use bytes::Bytes;
@@ -29,36 +27,22 @@ struct Fixture {
 }
 
 enum Backend {
-    Embedded {
-        dir: tempfile::TempDir,
-        config: EmbeddedConfig,
-    },
-    JetStream {
-        server: NatsServer,
-        config: JetStreamConfig,
-    },
+    Embedded { dir: tempfile::TempDir, config: EmbeddedConfig },
+    JetStream { server: NatsServer, config: JetStreamConfig },
 }
 
 impl Fixture {
     fn embedded() -> Fixture {
         let dir = tempfile::tempdir().expect("tempdir");
         // A small group bound so batches here span several group commits.
-        let config = EmbeddedConfig {
-            group_commit_records_max: 100,
-            ..EmbeddedConfig::default()
-        };
-        let mut fixture = Fixture {
-            log: None,
-            backend: Backend::Embedded { dir, config },
-        };
+        let config = EmbeddedConfig { group_commit_records_max: 100, ..EmbeddedConfig::default() };
+        let mut fixture = Fixture { log: None, backend: Backend::Embedded { dir, config } };
         fixture.log = Some(fixture.open_embedded());
         fixture
     }
 
     async fn jetstream() -> Fixture {
-        let server = tokio::task::spawn_blocking(NatsServer::start)
-            .await
-            .expect("nats-server start task");
+        let server = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
         // A small ack window so batches here exercise the window.
         let config = JetStreamConfig {
             url: server.url(),
@@ -66,13 +50,8 @@ impl Fixture {
             request_timeout: Duration::from_secs(5),
             ..JetStreamConfig::default()
         };
-        let log = JetStreamLog::connect(config.clone())
-            .await
-            .expect("connect to JetStream");
-        Fixture {
-            log: Some(Arc::new(log)),
-            backend: Backend::JetStream { server, config },
-        }
+        let log = JetStreamLog::connect(config.clone()).await.expect("connect to JetStream");
+        Fixture { log: Some(Arc::new(log)), backend: Backend::JetStream { server, config } }
     }
 
     fn open_embedded(&self) -> Arc<dyn EventLog> {
@@ -95,11 +74,7 @@ impl Fixture {
     /// kills and restarts the server on the same store, then reconnects.
     async fn reopen(&mut self) {
         let log = self.log.take().expect("log is open");
-        assert_eq!(
-            Arc::strong_count(&log),
-            1,
-            "the test still holds the log somewhere"
-        );
+        assert_eq!(Arc::strong_count(&log), 1, "the test still holds the log somewhere");
         drop(log);
         match &mut self.backend {
             Backend::Embedded { .. } => {
@@ -107,9 +82,7 @@ impl Fixture {
             }
             Backend::JetStream { server, config } => {
                 tokio::task::block_in_place(|| server.restart());
-                let log = JetStreamLog::connect(config.clone())
-                    .await
-                    .expect("reconnect to JetStream");
+                let log = JetStreamLog::connect(config.clone()).await.expect("reconnect to JetStream");
                 self.log = Some(Arc::new(log));
             }
         }
@@ -129,40 +102,20 @@ fn filter(pattern: &str) -> Option<SubjectFilter> {
 }
 
 fn now_ns() -> i64 {
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_nanos();
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock after 1970").as_nanos();
     i64::try_from(nanos).expect("clock before 2262")
 }
 
 /// Reads `from..=to` to the end, failing if the stream does not terminate.
-async fn read_all(
-    log: &dyn EventLog,
-    from_seq: u64,
-    to_seq: u64,
-    filter: Option<SubjectFilter>,
-) -> Vec<StoredRecord> {
+async fn read_all(log: &dyn EventLog, from_seq: u64, to_seq: u64, filter: Option<SubjectFilter>) -> Vec<StoredRecord> {
     let stream = log.read(from_seq, to_seq, filter).await.expect("read");
-    tokio::time::timeout(
-        STEP_TIMEOUT,
-        stream.map(|r| r.expect("read item")).collect(),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("read({from_seq}, {to_seq}) did not terminate"))
+    tokio::time::timeout(STEP_TIMEOUT, stream.map(|r| r.expect("read item")).collect())
+        .await
+        .unwrap_or_else(|_| panic!("read({from_seq}, {to_seq}) did not terminate"))
 }
 
-async fn read_seqs(
-    log: &dyn EventLog,
-    from_seq: u64,
-    to_seq: u64,
-    filter: Option<SubjectFilter>,
-) -> Vec<u64> {
-    read_all(log, from_seq, to_seq, filter)
-        .await
-        .iter()
-        .map(|r| r.seq)
-        .collect()
+async fn read_seqs(log: &dyn EventLog, from_seq: u64, to_seq: u64, filter: Option<SubjectFilter>) -> Vec<u64> {
+    read_all(log, from_seq, to_seq, filter).await.iter().map(|r| r.seq).collect()
 }
 
 /// The next `count` records of a follow stream.
@@ -185,14 +138,8 @@ async fn next_records(
 async fn append_n(log: &dyn EventLog, subject: &str, prefix: &str, count: usize) -> Vec<u64> {
     let mut seqs = Vec::with_capacity(count);
     for i in 0..count {
-        let outcome = log
-            .append(record(
-                subject,
-                &format!("{prefix}-{i}"),
-                &format!("{prefix} {i}"),
-            ))
-            .await
-            .expect("append");
+        let outcome =
+            log.append(record(subject, &format!("{prefix}-{i}"), &format!("{prefix} {i}"))).await.expect("append");
         assert!(!outcome.is_duplicate(), "{prefix}-{i} was a duplicate");
         seqs.push(outcome.seq());
     }
@@ -219,10 +166,7 @@ async fn appends_get_dense_ordered_seqs(fixture: &mut Fixture) {
         agent_subject("a2"),
     ];
     for (i, subject) in subjects.iter().enumerate() {
-        let outcome = log
-            .append(record(subject, &format!("id-{i}"), &format!("payload {i}")))
-            .await
-            .expect("append");
+        let outcome = log.append(record(subject, &format!("id-{i}"), &format!("payload {i}"))).await.expect("append");
         assert_eq!(outcome, AppendOutcome::Appended { seq: i as u64 + 1 });
     }
     assert_eq!(log.last_seq().await.expect("last_seq"), 5);
@@ -238,19 +182,11 @@ async fn appends_get_dense_ordered_seqs(fixture: &mut Fixture) {
 async fn same_msg_id_is_a_duplicate_of_the_first(fixture: &mut Fixture) {
     let log = fixture.log();
     let subject = agent_subject("a1");
-    let first = log
-        .append(record(&subject, "event-1", "first"))
-        .await
-        .expect("append");
+    let first = log.append(record(&subject, "event-1", "first")).await.expect("append");
     assert_eq!(first, AppendOutcome::Appended { seq: 1 });
-    log.append(record(&subject, "event-2", "second"))
-        .await
-        .expect("append");
+    log.append(record(&subject, "event-2", "second")).await.expect("append");
     // Same id, different payload and subject: still the first one, nothing new stored.
-    let again = log
-        .append(record(CONFIG_SUBJECT, "event-1", "retry"))
-        .await
-        .expect("append");
+    let again = log.append(record(CONFIG_SUBJECT, "event-1", "retry")).await.expect("append");
     assert_eq!(again, AppendOutcome::Duplicate { seq: 1 });
     assert_eq!(log.last_seq().await.expect("last_seq"), 2);
     let stored = log.get(1).await.expect("get").expect("seq 1 stored");
@@ -262,14 +198,8 @@ async fn same_msg_id_is_a_duplicate_of_the_first(fixture: &mut Fixture) {
 async fn batch_outcomes_are_in_input_order(fixture: &mut Fixture) {
     let log = fixture.log();
     let subject = agent_subject("a1");
-    assert!(log
-        .append_batch(Vec::new())
-        .await
-        .expect("empty batch")
-        .is_empty());
-    log.append(record(&subject, "x", "x"))
-        .await
-        .expect("append");
+    assert!(log.append_batch(Vec::new()).await.expect("empty batch").is_empty());
+    log.append(record(&subject, "x", "x")).await.expect("append");
     let outcomes = log
         .append_batch(vec![
             record(&subject, "a", "a"),
@@ -292,9 +222,8 @@ async fn batch_outcomes_are_in_input_order(fixture: &mut Fixture) {
     );
 
     // A batch far larger than the ack window / group commit bound, with repeats spread out.
-    let large: Vec<AppendRecord> = (0..1000)
-        .map(|i| record(&subject, &format!("large-{}", i % 900), &format!("{i}")))
-        .collect();
+    let large: Vec<AppendRecord> =
+        (0..1000).map(|i| record(&subject, &format!("large-{}", i % 900), &format!("{i}"))).collect();
     let outcomes = log.append_batch(large).await.expect("large batch");
     assert_eq!(outcomes.len(), 1000);
     for (i, outcome) in outcomes.iter().enumerate() {
@@ -319,13 +248,7 @@ async fn concurrent_appends_get_distinct_dense_seqs(fixture: &mut Fixture) {
         let log = Arc::clone(&log);
         tasks.push(tokio::spawn(async move {
             let subject = agent_subject(&format!("a{writer}"));
-            append_n(
-                log.as_ref(),
-                &subject,
-                &format!("w{writer}"),
-                appends_per_writer,
-            )
-            .await
+            append_n(log.as_ref(), &subject, &format!("w{writer}"), appends_per_writer).await
         }));
     }
     let mut seqs = Vec::new();
@@ -339,10 +262,7 @@ async fn concurrent_appends_get_distinct_dense_seqs(fixture: &mut Fixture) {
     let total = (writers * appends_per_writer) as u64;
     assert_eq!(seqs, (1..=total).collect::<Vec<_>>());
     assert_eq!(log.last_seq().await.expect("last_seq"), total);
-    assert_eq!(
-        read_seqs(log.as_ref(), 1, u64::MAX, None).await,
-        (1..=total).collect::<Vec<_>>()
-    );
+    assert_eq!(read_seqs(log.as_ref(), 1, u64::MAX, None).await, (1..=total).collect::<Vec<_>>());
 }
 
 async fn ranges_and_filters(fixture: &mut Fixture) {
@@ -352,91 +272,43 @@ async fn ranges_and_filters(fixture: &mut Fixture) {
     let a1 = agent_subject("a1");
     let a2 = agent_subject("a2");
     // seq:        1         2    3        4    5        6    7        8       9        10
-    let subjects = [
-        &channel, &a1, &thread, &a2, &channel, &a2, &thread, &channel, &a2, &channel,
-    ];
+    let subjects = [&channel, &a1, &thread, &a2, &channel, &a2, &thread, &channel, &a2, &channel];
     for (i, subject) in subjects.iter().enumerate() {
-        log.append(record(subject, &format!("r{i}"), "x"))
-            .await
-            .expect("append");
+        log.append(record(subject, &format!("r{i}"), "x")).await.expect("append");
     }
 
     assert_eq!(read_seqs(log, 3, 6, None).await, vec![3, 4, 5, 6]);
-    assert_eq!(
-        read_seqs(log, 0, u64::MAX, None).await,
-        (1..=10).collect::<Vec<_>>()
-    );
+    assert_eq!(read_seqs(log, 0, u64::MAX, None).await, (1..=10).collect::<Vec<_>>());
     assert_eq!(read_seqs(log, 8, 100, None).await, vec![8, 9, 10]);
     assert_eq!(read_seqs(log, 10, 10, None).await, vec![10]);
     assert!(read_seqs(log, 11, 20, None).await.is_empty());
     assert!(read_seqs(log, 6, 5, None).await.is_empty());
 
     // `*` matches one token, `>` one or more.
-    assert_eq!(
-        read_seqs(log, 1, u64::MAX, filter("anima.v1.agent.*")).await,
-        vec![2, 4, 6, 9]
-    );
-    assert_eq!(
-        read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.slack.T1.C1")).await,
-        vec![1, 5, 8, 10]
-    );
-    assert_eq!(
-        read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.>")).await,
-        vec![1, 3, 5, 7, 8, 10]
-    );
-    assert_eq!(
-        read_seqs(
-            log,
-            1,
-            u64::MAX,
-            filter("anima.v1.surface.slack.*.*.thread.*")
-        )
-        .await,
-        vec![3, 7]
-    );
-    assert_eq!(
-        read_seqs(log, 1, u64::MAX, filter("anima.v1.>")).await,
-        (1..=10).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        read_seqs(log, 4, 8, filter("anima.v1.agent.*")).await,
-        vec![4, 6]
-    );
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.agent.*")).await, vec![2, 4, 6, 9]);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.slack.T1.C1")).await, vec![1, 5, 8, 10]);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.>")).await, vec![1, 3, 5, 7, 8, 10]);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.slack.*.*.thread.*")).await, vec![3, 7]);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.>")).await, (1..=10).collect::<Vec<_>>());
+    assert_eq!(read_seqs(log, 4, 8, filter("anima.v1.agent.*")).await, vec![4, 6]);
 
     // Termination: nothing matches; the last match is below `to_seq`; matches only above it.
-    assert!(read_seqs(log, 1, u64::MAX, filter("anima.v1.nothing.>"))
-        .await
-        .is_empty());
-    assert!(read_seqs(log, 1, u64::MAX, filter("elsewhere.>"))
-        .await
-        .is_empty());
+    assert!(read_seqs(log, 1, u64::MAX, filter("anima.v1.nothing.>")).await.is_empty());
+    assert!(read_seqs(log, 1, u64::MAX, filter("elsewhere.>")).await.is_empty());
     assert_eq!(read_seqs(log, 1, 10, filter(&a1)).await, vec![2]);
-    assert_eq!(
-        read_seqs(log, 3, 1_000, filter(&a1)).await,
-        Vec::<u64>::new()
-    );
-    assert!(read_seqs(log, 1, 3, filter("anima.v1.agent.a2"))
-        .await
-        .is_empty());
+    assert_eq!(read_seqs(log, 3, 1_000, filter(&a1)).await, Vec::<u64>::new());
+    assert!(read_seqs(log, 1, 3, filter("anima.v1.agent.a2")).await.is_empty());
 
     // A read ends at the last event stored when it was called, even if more arrive meanwhile.
     let mut stream = log.read(1, u64::MAX, None).await.expect("read");
-    log.append(record(&a1, "late", "late"))
-        .await
-        .expect("append");
+    log.append(record(&a1, "late", "late")).await.expect("append");
     let mut seqs = Vec::new();
-    while let Some(next) = tokio::time::timeout(STEP_TIMEOUT, stream.next())
-        .await
-        .expect("read did not terminate")
-    {
+    while let Some(next) = tokio::time::timeout(STEP_TIMEOUT, stream.next()).await.expect("read did not terminate") {
         seqs.push(next.expect("read item").seq);
     }
     assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
 
-    assert!(matches!(
-        log.read(1, 10, filter("anima..v1")).await.map(|_| ()),
-        Err(LogError::Invalid(_))
-    ));
+    assert!(matches!(log.read(1, 10, filter("anima..v1")).await.map(|_| ()), Err(LogError::Invalid(_))));
 }
 
 async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
@@ -449,10 +321,7 @@ async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
     let mut only_a2 = log.follow(1, filter(&a2)).await.expect("follow");
     let mut from_the_end = log.follow(4, None).await.expect("follow");
     let existing = next_records(&mut everything, 2).await;
-    assert_eq!(
-        existing.iter().map(|r| r.seq).collect::<Vec<_>>(),
-        vec![2, 3]
-    );
+    assert_eq!(existing.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![2, 3]);
 
     // Live appends from another task while the followers wait.
     let writer = {
@@ -460,34 +329,19 @@ async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
         let (a1, a2) = (a1.clone(), a2.clone());
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
-            log.append(record(&a2, "live-0", "live 0"))
-                .await
-                .expect("append");
-            log.append(record(&a1, "live-1", "live 1"))
-                .await
-                .expect("append");
-            log.append(record(&a2, "live-2", "live 2"))
-                .await
-                .expect("append");
+            log.append(record(&a2, "live-0", "live 0")).await.expect("append");
+            log.append(record(&a1, "live-1", "live 1")).await.expect("append");
+            log.append(record(&a2, "live-2", "live 2")).await.expect("append");
         })
     };
     let live = next_records(&mut everything, 3).await;
-    assert_eq!(
-        live.iter().map(|r| r.seq).collect::<Vec<_>>(),
-        vec![4, 5, 6]
-    );
+    assert_eq!(live.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 5, 6]);
     assert_eq!(live[0].payload, Bytes::from_static(b"live 0"));
     let filtered = next_records(&mut only_a2, 2).await;
-    assert_eq!(
-        filtered.iter().map(|r| r.seq).collect::<Vec<_>>(),
-        vec![4, 6]
-    );
+    assert_eq!(filtered.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 6]);
     assert!(filtered.iter().all(|r| r.subject == a2));
     let tail = next_records(&mut from_the_end, 3).await;
-    assert_eq!(
-        tail.iter().map(|r| r.seq).collect::<Vec<_>>(),
-        vec![4, 5, 6]
-    );
+    assert_eq!(tail.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 5, 6]);
     writer.await.expect("writer task");
 
     // Nothing more arrives: the follower waits rather than ending.
@@ -515,9 +369,7 @@ async fn timestamps_are_the_logs_and_monotonic(fixture: &mut Fixture) {
     let before = now_ns();
     let subject = agent_subject("a1");
     append_n(log, &subject, "single", 20).await;
-    let batch: Vec<AppendRecord> = (0..200)
-        .map(|i| record(&subject, &format!("batch-{i}"), "b"))
-        .collect();
+    let batch: Vec<AppendRecord> = (0..200).map(|i| record(&subject, &format!("batch-{i}"), "b")).collect();
     log.append_batch(batch).await.expect("batch");
     append_n(log, &subject, "after", 5).await;
     let after = now_ns();
@@ -559,14 +411,8 @@ async fn invalid_records_are_refused(fixture: &mut Fixture) {
     ];
     for bad in refused {
         let single = log.append(bad.clone()).await;
-        assert!(
-            matches!(single, Err(LogError::Invalid(_))),
-            "{:?} gave {single:?}",
-            bad.subject
-        );
-        let batch = log
-            .append_batch(vec![record(&agent_subject("a1"), "fine", "ok"), bad])
-            .await;
+        assert!(matches!(single, Err(LogError::Invalid(_))), "{:?} gave {single:?}", bad.subject);
+        let batch = log.append_batch(vec![record(&agent_subject("a1"), "fine", "ok"), bad]).await;
         assert!(matches!(batch, Err(LogError::Invalid(_))), "{batch:?}");
     }
     // A refused batch stores nothing, not even its valid records.
@@ -576,9 +422,8 @@ async fn invalid_records_are_refused(fixture: &mut Fixture) {
 async fn everything_acknowledged_survives_reopen(fixture: &mut Fixture) {
     let identity = fixture.log().identity();
     let subject = agent_subject("a1");
-    let batch: Vec<AppendRecord> = (0..50)
-        .map(|i| record(&subject, &format!("p-{i}"), &format!("payload {i}")))
-        .collect();
+    let batch: Vec<AppendRecord> =
+        (0..50).map(|i| record(&subject, &format!("p-{i}"), &format!("payload {i}"))).collect();
     fixture.log().append_batch(batch).await.expect("batch");
     append_n(fixture.log(), &subject, "single", 5).await;
     let before = read_all(fixture.log(), 1, u64::MAX, None).await;
@@ -591,15 +436,9 @@ async fn everything_acknowledged_survives_reopen(fixture: &mut Fixture) {
     assert_eq!(log.last_seq().await.expect("last_seq"), 55);
     assert_eq!(read_all(log, 1, u64::MAX, None).await, before);
     // Dedupe state survives too, and seqs and timestamps continue from where they were.
-    let again = log
-        .append(record(&subject, "p-7", "retry"))
-        .await
-        .expect("append");
+    let again = log.append(record(&subject, "p-7", "retry")).await.expect("append");
     assert_eq!(again, AppendOutcome::Duplicate { seq: 8 });
-    let next = log
-        .append(record(&subject, "after-reopen", "new"))
-        .await
-        .expect("append");
+    let next = log.append(record(&subject, "after-reopen", "new")).await.expect("append");
     assert_eq!(next, AppendOutcome::Appended { seq: 56 });
     let newest = log.get(56).await.expect("get").expect("seq 56");
     assert!(newest.timestamp_ns >= before[54].timestamp_ns);
@@ -653,9 +492,7 @@ mod jetstream_only {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_incompatible_existing_stream_is_refused() {
-        let server = tokio::task::spawn_blocking(NatsServer::start)
-            .await
-            .expect("nats-server start task");
+        let server = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
         let client = async_nats::connect(server.url()).await.expect("connect");
         let context = async_nats::jetstream::new(client);
         context
@@ -668,11 +505,7 @@ mod jetstream_only {
             })
             .await
             .expect("create stream");
-        let refused = JetStreamLog::connect(JetStreamConfig {
-            url: server.url(),
-            ..JetStreamConfig::default()
-        })
-        .await;
+        let refused = JetStreamLog::connect(JetStreamConfig { url: server.url(), ..JetStreamConfig::default() }).await;
         match refused {
             Err(LogError::Store(message)) => {
                 assert!(message.contains("storage"), "{message}");
@@ -684,9 +517,7 @@ mod jetstream_only {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_unreachable_server_is_unavailable() {
-        let server = tokio::task::spawn_blocking(NatsServer::start)
-            .await
-            .expect("nats-server start task");
+        let server = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
         let url = server.url();
         drop(server);
         let result = JetStreamLog::connect(JetStreamConfig {
@@ -695,10 +526,7 @@ mod jetstream_only {
             ..JetStreamConfig::default()
         })
         .await;
-        assert!(
-            matches!(result, Err(LogError::Unavailable(_))),
-            "{result:?}"
-        );
+        assert!(matches!(result, Err(LogError::Unavailable(_))), "{result:?}");
     }
 
     /// A follower is polled all the time in real use (the projection runner awaits it), so it
@@ -720,10 +548,7 @@ mod jetstream_only {
         });
         for expected in 1..=2 {
             let seq = tokio::time::timeout(STEP_TIMEOUT, seqs_rx.recv()).await;
-            assert_eq!(
-                seq.expect("in time").expect("open").expect("record"),
-                expected
-            );
+            assert_eq!(seq.expect("in time").expect("open").expect("record"), expected);
         }
 
         let Backend::JetStream { server, .. } = &mut fixture.backend else {

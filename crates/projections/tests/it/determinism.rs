@@ -50,14 +50,16 @@ enum Author {
 
 #[derive(Clone, Debug)]
 enum Action {
-    /// A new message. `thread`: 0 top level, k: the thread of the k-th newest top-level message
-    /// of the channel. `jitter` puts its ts out of log order.
+    /// A new message. `thread`: see [`Scenario::thread_ts`]. `jitter` puts its ts out of log
+    /// order.
     Message { receiver: usize, channel: usize, thread: u8, author: Author, jitter: u8, file: bool },
     /// An earlier message delivered again: to another agent's app, or as `app_mention`.
     Redeliver { which: usize, receiver: usize, mention: bool },
     /// An edit of an earlier message: recorded, never a row.
     Edit { which: usize },
     Send { agent: usize, channel: usize, thread: u8 },
+    /// A send to the reply target of the agent's active wake (claimed or running), if any.
+    Reply { agent: usize },
     Confirm { agent: usize, channel: usize, thread: u8 },
     Claim { agent: usize, worker: usize },
     /// Start with the active plan, as the claim prepared it; `worker` as in [`Scenario::worker`].
@@ -84,14 +86,15 @@ fn author() -> impl Strategy<Value = Author> {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        6 => (0..2usize, 0..3usize, 0..3u8, author(), 0..3u8, any::<bool>()).prop_map(
+        6 => (0..2usize, 0..3usize, 0..6u8, author(), 0..3u8, any::<bool>()).prop_map(
             |(receiver, channel, thread, author, jitter, file)| Action::Message { receiver, channel, thread, author, jitter, file }
         ),
         1 => (any::<usize>(), 0..2usize, any::<bool>())
             .prop_map(|(which, receiver, mention)| Action::Redeliver { which, receiver, mention }),
         1 => any::<usize>().prop_map(|which| Action::Edit { which }),
-        4 => (0..2usize, 0..3usize, 0..3u8).prop_map(|(agent, channel, thread)| Action::Send { agent, channel, thread }),
-        1 => (0..2usize, 0..3usize, 0..3u8).prop_map(|(agent, channel, thread)| Action::Confirm { agent, channel, thread }),
+        4 => (0..2usize, 0..3usize, 0..6u8).prop_map(|(agent, channel, thread)| Action::Send { agent, channel, thread }),
+        2 => (0..2usize).prop_map(|agent| Action::Reply { agent }),
+        1 => (0..2usize, 0..3usize, 0..6u8).prop_map(|(agent, channel, thread)| Action::Confirm { agent, channel, thread }),
         3 => (0..2usize, 0..4usize).prop_map(|(agent, worker)| Action::Claim { agent, worker }),
         3 => (0..2usize, 0..4usize).prop_map(|(agent, worker)| Action::Start { agent, worker }),
         1 => any::<usize>().prop_map(|which| Action::RepeatStart { which }),
@@ -133,9 +136,11 @@ impl Scenario {
         ts(self.messages_made + 1_000 * u64::from(jitter))
     }
 
+    /// `thread` 0..=3: the top level (most messages are); 4 or 5: the thread of the newest or
+    /// second newest top-level message of the channel.
     fn thread_ts(&self, channel: &'static str, thread: u8) -> Option<String> {
         let parents = self.top_level.get(channel)?;
-        let k = usize::from(thread);
+        let k = usize::from(thread.checked_sub(3)?);
         (k > 0 && k <= parents.len()).then(|| parents[parents.len() - k].clone())
     }
 
@@ -201,6 +206,17 @@ impl Scenario {
                     event = event.in_thread(&parent);
                 }
                 self.fold(event);
+            }
+            Action::Reply { agent } => {
+                let active = self.log.state.queue(AGENTS[*agent]).and_then(|q| q.active.as_ref());
+                if let Some(active) = active {
+                    let target = active.item.reply_to.to_target();
+                    let mut event = send(AGENTS[*agent], "-");
+                    if let Some(Payload::Send(s)) = event.payload.as_mut() {
+                        s.target = Some(target);
+                    }
+                    self.fold(event);
+                }
             }
             Action::Confirm { agent, channel, thread } => {
                 let channel = CHANNELS[*channel];
@@ -484,50 +500,28 @@ impl SplitMix {
             5 => Author::AgentBotAsUser(self.below(2)),
             _ => Author::OtherBot,
         };
-        match self.below(25) {
+        match self.below(27) {
             0..=5 => Action::Message {
                 receiver: self.below(2),
                 channel: self.below(3),
-                thread: self.below(3) as u8,
+                thread: self.below(6) as u8,
                 author,
                 jitter: self.below(3) as u8,
                 file: self.below(2) == 0,
             },
             6 => Action::Redeliver { which: index(self), receiver: self.below(2), mention: self.below(2) == 0 },
             7 => Action::Edit { which: index(self) },
-            8..=11 => Action::Send { agent: self.below(2), channel: self.below(3), thread: self.below(3) as u8 },
-            12 => Action::Confirm { agent: self.below(2), channel: self.below(3), thread: self.below(3) as u8 },
+            8..=11 => Action::Send { agent: self.below(2), channel: self.below(3), thread: self.below(6) as u8 },
+            12 => Action::Confirm { agent: self.below(2), channel: self.below(3), thread: self.below(6) as u8 },
             13..=15 => Action::Claim { agent: self.below(2), worker: self.below(4) },
             16..=18 => Action::Start { agent: self.below(2), worker: self.below(4) },
             19 => Action::RepeatStart { which: index(self) },
             20 | 21 => Action::Finish { agent: self.below(2), worker: self.below(4), outcome: self.below(4) as u8 },
             22 => Action::Reregister,
+            23 | 24 => Action::Reply { agent: self.below(2) },
             _ => Action::Checkpoint,
         }
     }
-}
-
-#[test]
-fn stats_tmp() {
-    let mut counts = BTreeMap::<String, usize>::new();
-    for seed in [1_u64, 2, 3] {
-        let mut random = SplitMix(seed);
-        let actions: Vec<Action> = (0..2_000).map(|_| random.action()).collect();
-        let scenario = run(&actions);
-        for seq in 1..=scenario.log.events.len() as u64 {
-            let key = match scenario.log.state.verdict(seq) {
-                Some(Verdict::Send(SendVerdict::Allowed { cursor_before: None, .. })) => "allowed-no-cursor".to_owned(),
-                Some(Verdict::Send(SendVerdict::Allowed { .. })) => "allowed-cursor".to_owned(),
-                Some(Verdict::Send(SendVerdict::Held(_))) => "held".to_owned(),
-                Some(Verdict::Refused(r)) => format!("refused {:?} {}", r.kind, r.message.split(':').next().unwrap()),
-                Some(Verdict::Claim(c)) => format!("claim {}", matches!(c, anima_projections::verdict::ClaimVerdict::Claimed(_))),
-                Some(v) => format!("{v:?}").chars().take(12).collect(),
-                None => "none".to_owned(),
-            };
-            *counts.entry(key).or_default() += 1;
-        }
-    }
-    eprintln!("{counts:#?}");
 }
 
 #[test]

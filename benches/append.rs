@@ -1,0 +1,334 @@
+//! Append throughput of both log backends through the `EventLog` trait, each next to the raw
+//! store doing the same writes in the same run, so the ratio shows what the log layer costs:
+//!
+//! * embedded: `EmbeddedLog::append_batch` of 1,000 records against raw sled `apply_batch` +
+//!   `flush` of the same entries (the record under its seq key, the msg-id index entry and the
+//!   expiry entry, byte for byte the same sizes) in a tree of the same kind. The raw side does
+//!   not read: the embedded log also looks up every msg id (dedupe) and scans for expired ids.
+//! * JetStream: `JetStreamLog::append_batch` of 10,000 records against raw async-nats publishes
+//!   of the same subjects, payloads and `Nats-Msg-Id` headers into the same stream, with the
+//!   same window of acks in flight (`JetStreamConfig::default().ack_window`) polled together in
+//!   a `FuturesUnordered`, on a connection with the same async-nats ack limit.
+//!
+//! Records are ~300-byte encoded Slack observations on 64 channel subjects; every msg id is
+//! distinct across the run (36 bytes, the length of the engine's UUID ids), so nothing dedupes.
+
+use std::time::{Duration, Instant};
+
+use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
+use anima_engine::log::{AppendOutcome, AppendRecord, EventLog};
+use anima_engine::subject::slack_surface_subject;
+use anima_engine::testing::NatsServer;
+use anima_projections::proto::{self, envelope::Payload};
+use bytes::Bytes;
+use criterion::{Criterion, SamplingMode, Throughput};
+use futures::stream::{FuturesUnordered, StreamExt};
+use prost::Message;
+use tokio::runtime::Runtime;
+
+use crate::measure::Tally;
+
+/// Records per `append_batch` against the embedded log (and per raw sled batch).
+const EMBEDDED_BATCH_RECORDS: usize = 1_000;
+/// Records per `append_batch` against JetStream: ten ack windows, so the pipeline is full most of
+/// the time.
+const JETSTREAM_BATCH_RECORDS: usize = 10_000;
+/// Target size of one encoded payload.
+const PAYLOAD_BYTES: usize = 300;
+const CHANNELS: usize = 64;
+/// Distinct payloads cycled through (cloning `Bytes` is a reference count).
+const PAYLOADS_DISTINCT: usize = 256;
+const TEAM: &str = "T0AB12CD3";
+
+/// Same layout constants as the embedded log's tree (`crates/engine/src/log/embedded.rs`).
+const PREFIX_RECORD: u8 = b'r';
+const PREFIX_MSG_ID: u8 = b'm';
+const PREFIX_EXPIRY: u8 = b't';
+const RECORD_VERSION: u8 = 1;
+
+/// Makes batches of distinct records: subjects and payloads cycle, msg ids never repeat.
+struct RecordSource {
+    /// Four bytes, so every id is 36 bytes long whatever the source.
+    msg_id_prefix: &'static str,
+    next: u64,
+    subjects: Vec<String>,
+    payloads: Vec<Bytes>,
+}
+
+impl RecordSource {
+    fn new(msg_id_prefix: &'static str) -> Self {
+        assert_eq!(msg_id_prefix.len(), 4);
+        let subjects = (0..CHANNELS).map(|c| slack_surface_subject(TEAM, &format!("C{c:08}"), None)).collect();
+        let payloads = (0..PAYLOADS_DISTINCT).map(|i| Bytes::from(payload(i, PAYLOAD_BYTES))).collect();
+        RecordSource { msg_id_prefix, next: 0, subjects, payloads }
+    }
+
+    fn batch(&mut self, records: usize) -> Vec<AppendRecord> {
+        (0..records)
+            .map(|_| {
+                let n = self.next;
+                self.next += 1;
+                AppendRecord {
+                    subject: self.subjects[n as usize % CHANNELS].clone(),
+                    msg_id: format!("{}{n:032}", self.msg_id_prefix),
+                    payload: self.payloads[n as usize % PAYLOADS_DISTINCT].clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// An encoded Slack message observation of about `bytes` bytes.
+fn payload(index: usize, bytes: usize) -> Vec<u8> {
+    let mut envelope = proto::Envelope {
+        event_id: format!("{index:08x}-0000-7000-8000-000000000000"),
+        occurred_at_ms: 1_700_000_000_000 + index as i64,
+        min_reader_version: 1,
+        source: "slack-connector".into(),
+        payload: Some(Payload::SlackMessage(proto::SlackMessageObserved {
+            receiving_agent_id: "agent-0".into(),
+            kind: proto::SlackDeliveryKind::Message as i32,
+            team_id: TEAM.into(),
+            channel_id: format!("C{:08}", index % CHANNELS),
+            ts: format!("1700000000.{index:06}"),
+            user_id: "U00000042".into(),
+            user_name: "Person 42".into(),
+            ..Default::default()
+        })),
+    };
+    let without_text = envelope.encoded_len();
+    // Two bytes of tag and length for the text field.
+    let text_bytes = bytes.saturating_sub(without_text + 2);
+    if let Some(Payload::SlackMessage(message)) = envelope.payload.as_mut() {
+        message.text = "lorem ipsum ".repeat(text_bytes / 12 + 1)[..text_bytes].to_owned();
+    }
+    envelope.encode_to_vec()
+}
+
+/// The raw baseline of the embedded log: the same three entries per record, one `apply_batch`,
+/// one `flush`.
+fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u64, timestamp_ns: i64) {
+    let mut batch = sled::Batch::default();
+    for record in records {
+        *last_seq += 1;
+        let seq = *last_seq;
+        let mut record_key = [0u8; 9];
+        record_key[0] = PREFIX_RECORD;
+        record_key[1..].copy_from_slice(&seq.to_be_bytes());
+        let subject = record.subject.as_bytes();
+        let msg_id = record.msg_id.as_bytes();
+        let mut value = Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
+        value.push(RECORD_VERSION);
+        value.extend_from_slice(&timestamp_ns.to_be_bytes());
+        value.extend_from_slice(&(subject.len() as u32).to_be_bytes());
+        value.extend_from_slice(subject);
+        value.extend_from_slice(&(msg_id.len() as u16).to_be_bytes());
+        value.extend_from_slice(msg_id);
+        value.extend_from_slice(&record.payload);
+        batch.insert(&record_key[..], value);
+
+        let mut msg_id_key = Vec::with_capacity(1 + msg_id.len());
+        msg_id_key.push(PREFIX_MSG_ID);
+        msg_id_key.extend_from_slice(msg_id);
+        let mut msg_id_value = [0u8; 16];
+        msg_id_value[..8].copy_from_slice(&seq.to_be_bytes());
+        msg_id_value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
+        batch.insert(msg_id_key, &msg_id_value[..]);
+
+        let mut expiry_key = [0u8; 17];
+        expiry_key[0] = PREFIX_EXPIRY;
+        expiry_key[1..9].copy_from_slice(&((timestamp_ns as u64) ^ (1 << 63)).to_be_bytes());
+        expiry_key[9..].copy_from_slice(&seq.to_be_bytes());
+        batch.insert(&expiry_key[..], msg_id);
+    }
+    tree.apply_batch(batch).expect("raw sled apply_batch");
+    tree.flush().expect("raw sled flush");
+}
+
+fn assert_all_appended(outcomes: &[AppendOutcome], expected: usize) {
+    assert_eq!(outcomes.len(), expected);
+    assert!(outcomes.iter().all(|o| !o.is_duplicate()), "distinct msg ids must not dedupe");
+}
+
+fn unix_ns() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64)
+}
+
+fn ratio_line(name: &str, engine: &Tally, baseline_name: &str, baseline: &Tally, detail: &str) -> Option<String> {
+    let (engine, baseline) = (engine.rate()?, baseline.rate()?);
+    Some(format!(
+        "{name}: {engine:.0} ev/s, {baseline_name}: {baseline:.0} ev/s, ratio {:.2} ({detail})",
+        engine / baseline
+    ))
+}
+
+/// The embedded log against raw sled. Returns the summary line.
+pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
+    let mut group = c.benchmark_group("embedded_append");
+    group.sampling_mode(SamplingMode::Flat);
+    group.throughput(Throughput::Elements(EMBEDDED_BATCH_RECORDS as u64));
+    let directory = tempfile::Builder::new().prefix("anima-bench-sled-").tempdir().expect("temporary directory");
+
+    let mut log: Option<EmbeddedLog> = None;
+    let mut source = RecordSource::new("emb-");
+    let mut embedded = Tally::default();
+    group.bench_function("event_log_append_batch", |b| {
+        let log = log.get_or_insert_with(|| {
+            let db = sled::Config::new().path(directory.path().join("embedded")).open().expect("open sled");
+            EmbeddedLog::open(db, EmbeddedConfig::default()).expect("open the embedded log")
+        });
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let batch = source.batch(EMBEDDED_BATCH_RECORDS);
+                let started = Instant::now();
+                let outcomes = runtime.block_on(log.append_batch(batch)).expect("embedded append_batch");
+                let elapsed = started.elapsed();
+                assert_all_appended(&outcomes, EMBEDDED_BATCH_RECORDS);
+                total += elapsed;
+                embedded.record(EMBEDDED_BATCH_RECORDS as u64, elapsed);
+            }
+            total
+        });
+    });
+    drop(log);
+
+    let mut tree: Option<sled::Tree> = None;
+    let mut source = RecordSource::new("raw-");
+    let mut last_seq = 0u64;
+    let mut raw = Tally::default();
+    group.bench_function("raw_sled_apply_batch_flush", |b| {
+        let tree = tree.get_or_insert_with(|| {
+            let db = sled::Config::new().path(directory.path().join("raw")).open().expect("open sled");
+            db.open_tree("log").expect("open tree")
+        });
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let batch = source.batch(EMBEDDED_BATCH_RECORDS);
+                let started = Instant::now();
+                raw_sled_append(tree, &batch, &mut last_seq, unix_ns());
+                let elapsed = started.elapsed();
+                total += elapsed;
+                raw.record(EMBEDDED_BATCH_RECORDS as u64, elapsed);
+            }
+            total
+        });
+    });
+    drop(tree);
+    group.finish();
+    ratio_line(
+        "embedded_append",
+        &embedded,
+        "raw sled",
+        &raw,
+        &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, 3 entries per record, one flush per batch"),
+    )
+}
+
+/// Raw async-nats: publish every record with its `Nats-Msg-Id`, at most `window` acks in flight,
+/// polled together.
+async fn raw_publish_batch(context: &async_nats::jetstream::Context, records: Vec<AppendRecord>, window: usize) -> usize {
+    let mut in_flight = FuturesUnordered::new();
+    let mut acked = 0usize;
+    let mut check = |ack: Result<async_nats::jetstream::publish::PublishAck, _>| {
+        let ack = ack.expect("raw publish ack");
+        assert!(!ack.duplicate, "distinct msg ids must not dedupe");
+        acked += 1;
+    };
+    for record in records {
+        while in_flight.len() >= window {
+            if let Some(ack) = in_flight.next().await {
+                check(ack);
+            }
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", record.msg_id.as_str());
+        let ack = context.publish_with_headers(record.subject, headers, record.payload).await.expect("raw publish");
+        in_flight.push(async move { ack.await });
+    }
+    while let Some(ack) = in_flight.next().await {
+        check(ack);
+    }
+    acked
+}
+
+struct JetStreamFixture {
+    log: JetStreamLog,
+    raw: async_nats::jetstream::Context,
+    // Dropped last: stops nats-server.
+    _server: NatsServer,
+}
+
+/// The JetStream log against raw async-nats. Returns the summary line.
+pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
+    let mut group = c.benchmark_group("jetstream_append");
+    group.sampling_mode(SamplingMode::Flat);
+    group.throughput(Throughput::Elements(JETSTREAM_BATCH_RECORDS as u64));
+    let config = JetStreamConfig::default();
+    let window = config.ack_window;
+    let mut fixture: Option<JetStreamFixture> = None;
+    let setup = || {
+        let server = NatsServer::start();
+        let config = JetStreamConfig { url: server.url(), ..JetStreamConfig::default() };
+        runtime.block_on(async {
+            let log = JetStreamLog::connect(config.clone()).await.expect("connect the JetStream log");
+            let client = async_nats::connect(server.url()).await.expect("connect raw client");
+            // The same ack limit and backpressure as the engine's connection (4 × ack_window).
+            let raw = async_nats::jetstream::ContextBuilder::new()
+                .timeout(config.request_timeout)
+                .max_ack_inflight(config.ack_window * 4)
+                .backpressure_on_inflight(true)
+                .build(client);
+            JetStreamFixture { log, raw, _server: server }
+        })
+    };
+
+    let mut source = RecordSource::new("eng-");
+    let mut engine = Tally::default();
+    group.bench_function("event_log_append_batch", |b| {
+        let fixture = fixture.get_or_insert_with(setup);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let batch = source.batch(JETSTREAM_BATCH_RECORDS);
+                let started = Instant::now();
+                let outcomes = runtime.block_on(fixture.log.append_batch(batch)).expect("JetStream append_batch");
+                let elapsed = started.elapsed();
+                assert_all_appended(&outcomes, JETSTREAM_BATCH_RECORDS);
+                total += elapsed;
+                engine.record(JETSTREAM_BATCH_RECORDS as u64, elapsed);
+            }
+            total
+        });
+    });
+
+    let mut source = RecordSource::new("raw-");
+    let mut raw = Tally::default();
+    group.bench_function("raw_async_nats_publish", |b| {
+        let fixture = fixture.get_or_insert_with(setup);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let batch = source.batch(JETSTREAM_BATCH_RECORDS);
+                let started = Instant::now();
+                let acked = runtime.block_on(raw_publish_batch(&fixture.raw, batch, window));
+                let elapsed = started.elapsed();
+                assert_eq!(acked, JETSTREAM_BATCH_RECORDS);
+                total += elapsed;
+                raw.record(JETSTREAM_BATCH_RECORDS as u64, elapsed);
+            }
+            total
+        });
+    });
+    group.finish();
+    drop(fixture);
+    ratio_line(
+        "jetstream_append",
+        &engine,
+        "raw async-nats",
+        &raw,
+        &format!("batches of {JETSTREAM_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B with Nats-Msg-Id, {window} acks in flight"),
+    )
+}

@@ -1,0 +1,117 @@
+//! What the benchmarks record next to criterion: per-call element counts, durations and single
+//! latencies, from which the summary lines (rates, ratios, percentiles) are computed; and the
+//! seeded generator that makes the inputs reproducible.
+//!
+//! Criterion calls a routine first to warm up (with growing iteration counts), then once per
+//! sample. A [`Tally`] keeps every call and summarizes only the last [`SAMPLES_SUMMARIZED`] of
+//! them, which are the measured samples when the group's sample size is that number (as
+//! `main.rs` sets it); in `--test` mode there is one call and it is summarized.
+
+use std::time::Duration;
+
+/// Samples per benchmark, set on every group; also how many calls a [`Tally`] summarizes.
+pub const SAMPLES_SUMMARIZED: usize = 10;
+
+/// One call of a benchmark routine.
+struct Call {
+    elements: u64,
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+}
+
+/// Calls of one benchmark routine, in order.
+#[derive(Default)]
+pub struct Tally {
+    calls: Vec<Call>,
+}
+
+impl Tally {
+    /// Records a call that handled `elements` in `elapsed` (measured time only).
+    pub fn record(&mut self, elements: u64, elapsed: Duration) {
+        self.calls.push(Call { elements, elapsed, latencies: Vec::new() });
+    }
+
+    /// Records a call made of single operations with these latencies.
+    pub fn record_latencies(&mut self, latencies: Vec<Duration>) {
+        let elapsed = latencies.iter().sum();
+        self.calls.push(Call { elements: latencies.len() as u64, elapsed, latencies });
+    }
+
+    fn summarized(&self) -> &[Call] {
+        &self.calls[self.calls.len().saturating_sub(SAMPLES_SUMMARIZED)..]
+    }
+
+    /// Elements per second over the summarized calls; `None` when the routine never ran (the
+    /// benchmark was filtered out).
+    pub fn rate(&self) -> Option<f64> {
+        let calls = self.summarized();
+        let elements: u64 = calls.iter().map(|c| c.elements).sum();
+        let seconds: f64 = calls.iter().map(|c| c.elapsed.as_secs_f64()).sum();
+        (elements > 0 && seconds > 0.0).then(|| elements as f64 / seconds)
+    }
+
+    /// The latencies of the summarized calls, sorted.
+    pub fn latencies_sorted(&self) -> Vec<Duration> {
+        let mut latencies: Vec<Duration> = self.summarized().iter().flat_map(|c| c.latencies.iter().copied()).collect();
+        latencies.sort_unstable();
+        latencies
+    }
+}
+
+/// The `p`-th percentile (0..=100) of sorted durations, nearest rank.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Formats a latency in µs below 10 ms, else in ms.
+pub fn micros(duration: Duration) -> String {
+    if duration < Duration::from_millis(10) {
+        format!("{} µs", duration.as_micros())
+    } else {
+        format!("{:.1} ms", duration.as_secs_f64() * 1e3)
+    }
+}
+
+/// SplitMix64: small, fast, and reproducible from a printed seed.
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform enough in `0..n` for picking inputs (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// True with `percent` % probability.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    /// A random id in the textual form of a UUID (36 bytes), like the engine's event ids.
+    pub fn uuid_text(&mut self) -> String {
+        let (high, low) = (self.next_u64(), self.next_u64());
+        format!(
+            "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+            high >> 32,
+            (high >> 16) & 0xffff,
+            high & 0xffff,
+            low >> 48,
+            low & 0xffff_ffff_ffff
+        )
+    }
+}

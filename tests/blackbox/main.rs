@@ -1,0 +1,6 @@
+//! Black-box tests: the real `anima-wake` binary, started as a process, driven by real gRPC
+//! clients, on both log backends.
+
+mod fixture;
+mod race;
+mod send_hold;
