@@ -288,7 +288,7 @@ pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
     let mut source = RecordSource::new("eng-");
     let mut engine = Tally::default();
     group.bench_function("event_log_append_batch", |b| {
-        let fixture = fixture.get_or_insert_with(setup);
+        let fixture = fixture.get_or_insert_with(&setup);
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
@@ -307,7 +307,7 @@ pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
     let mut source = RecordSource::new("raw-");
     let mut raw = Tally::default();
     group.bench_function("raw_async_nats_publish", |b| {
-        let fixture = fixture.get_or_insert_with(setup);
+        let fixture = fixture.get_or_insert_with(&setup);
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {

@@ -52,22 +52,57 @@ enum Author {
 enum Action {
     /// A new message. `thread`: see [`Scenario::thread_ts`]. `jitter` puts its ts out of log
     /// order.
-    Message { receiver: usize, channel: usize, thread: u8, author: Author, jitter: u8, file: bool },
+    Message {
+        receiver: usize,
+        channel: usize,
+        thread: u8,
+        author: Author,
+        jitter: u8,
+        file: bool,
+    },
     /// An earlier message delivered again: to another agent's app, or as `app_mention`.
-    Redeliver { which: usize, receiver: usize, mention: bool },
+    Redeliver {
+        which: usize,
+        receiver: usize,
+        mention: bool,
+    },
     /// An edit of an earlier message: recorded, never a row.
-    Edit { which: usize },
-    Send { agent: usize, channel: usize, thread: u8 },
+    Edit {
+        which: usize,
+    },
+    Send {
+        agent: usize,
+        channel: usize,
+        thread: u8,
+    },
     /// A send to the reply target of the agent's active wake (claimed or running), if any.
-    Reply { agent: usize },
-    Confirm { agent: usize, channel: usize, thread: u8 },
-    Claim { agent: usize, worker: usize },
+    Reply {
+        agent: usize,
+    },
+    Confirm {
+        agent: usize,
+        channel: usize,
+        thread: u8,
+    },
+    Claim {
+        agent: usize,
+        worker: usize,
+    },
     /// Start with the active plan, as the claim prepared it; `worker` as in [`Scenario::worker`].
-    Start { agent: usize, worker: usize },
+    Start {
+        agent: usize,
+        worker: usize,
+    },
     /// An earlier start request appended again (a retry carrying an old plan).
-    RepeatStart { which: usize },
+    RepeatStart {
+        which: usize,
+    },
     /// `worker` as in [`Scenario::worker`].
-    Finish { agent: usize, worker: usize, outcome: u8 },
+    Finish {
+        agent: usize,
+        worker: usize,
+        outcome: u8,
+    },
     /// anna re-registers with her other set of identities.
     Reregister,
     /// The runner checkpoints the changed keys.
@@ -165,11 +200,11 @@ impl Scenario {
                 let ts = self.fresh_ts(*jitter);
                 let mut event = message(AGENTS[*receiver], channel, &ts);
                 event = match *author {
-                    Author::Human(n) => event.from_user(&format!("U{n}"), "Human"),
-                    Author::AgentUser(a) => event.from_user(self.agent_ids(a).0, AGENTS[a]),
-                    Author::AgentBot(a) => event.from_bot(self.agent_ids(a).1, AGENTS[a]),
-                    Author::AgentBotAsUser(a) => event.from_bot(self.agent_ids(a).0, AGENTS[a]),
-                    Author::OtherBot => event.from_bot("BCI", "ci"),
+                    Author::Human(n) => event.by_user(&format!("U{n}"), "Human"),
+                    Author::AgentUser(a) => event.by_user(self.agent_ids(a).0, AGENTS[a]),
+                    Author::AgentBot(a) => event.by_bot(self.agent_ids(a).1, AGENTS[a]),
+                    Author::AgentBotAsUser(a) => event.by_bot(self.agent_ids(a).0, AGENTS[a]),
+                    Author::OtherBot => event.by_bot("BCI", "ci"),
                 };
                 event = event.text(&format!("message {}", self.messages_made));
                 if *file {
@@ -196,7 +231,8 @@ impl Scenario {
                 if self.messages.is_empty() {
                     return;
                 }
-                let event = self.messages[which % self.messages.len()].clone().subtype("message_changed").text("edited");
+                let event =
+                    self.messages[which % self.messages.len()].clone().subtype("message_changed").text("edited");
                 self.fold(event);
             }
             Action::Send { agent, channel, thread } => {
@@ -343,7 +379,10 @@ impl Model {
     fn move_cursor(&mut self, agent: &str, surface: &str, to: u64) {
         let key = (agent.to_owned(), surface.to_owned());
         let from = self.cursors.get(&key).copied();
-        assert!(from.is_none_or(|from| from <= to), "cursor of {agent} on {surface} would move back from {from:?} to {to}");
+        assert!(
+            from.is_none_or(|from| from <= to),
+            "cursor of {agent} on {surface} would move back from {from:?} to {to}"
+        );
         assert!(to <= self.tail(surface), "cursor of {agent} on {surface} would pass the tail");
         self.cursors.insert(key, to);
     }
@@ -355,12 +394,10 @@ impl Model {
             Some(Payload::AgentRegistered(r)) => {
                 self.agents.insert(r.agent_id.clone(), (r.slack_bot_user_id.clone(), r.slack_bot_id.clone()));
             }
-            Some(Payload::SlackMessage(m)) => {
-                // The generator makes only valid, observable messages, besides edits.
-                if m.subtype != "message_changed" {
-                    let owner = self.owner(&m.user_id, &m.bot_id);
-                    self.journal(surface_key(&m.channel_id, &m.ts, &m.thread_ts), &m.ts, owner);
-                }
+            // The generator makes only valid, observable messages, besides edits.
+            Some(Payload::SlackMessage(m)) if m.subtype != "message_changed" => {
+                let owner = self.owner(&m.user_id, &m.bot_id);
+                self.journal(surface_key(&m.channel_id, &m.ts, &m.thread_ts), &m.ts, owner);
             }
             Some(Payload::SendConfirmed(c)) => {
                 let Some(anima_projections::proto::ReplyTarget {
@@ -411,7 +448,10 @@ impl Model {
         match verdict {
             Some(Verdict::Send(SendVerdict::Allowed { cursor_before, cursor_after, .. })) => {
                 // The guarantee: never allowed over a foreign row between the cursor and the send.
-                assert!(!foreign_after_cursor, "{agent}'s send to {surface} was allowed over a foreign row after cursor {cursor:?}");
+                assert!(
+                    !foreign_after_cursor,
+                    "{agent}'s send to {surface} was allowed over a foreign row after cursor {cursor:?}"
+                );
                 assert_eq!(*cursor_before, cursor);
                 assert_eq!(*cursor_after, cursor.map(|_| tail));
                 if cursor.is_some() {
@@ -419,8 +459,14 @@ impl Model {
                 }
             }
             Some(Verdict::Send(SendVerdict::Held(held))) => {
-                assert!(foreign_after_cursor, "{agent}'s send to {surface} was held with no foreign row after {cursor:?}");
-                assert_eq!((Some(held.cursor_before), held.tail, held.new_messages), (cursor, tail, tail - cursor.unwrap()));
+                assert!(
+                    foreign_after_cursor,
+                    "{agent}'s send to {surface} was held with no foreign row after {cursor:?}"
+                );
+                assert_eq!(
+                    (Some(held.cursor_before), held.tail, held.new_messages),
+                    (cursor, tail, tail - cursor.unwrap())
+                );
                 let shown: Vec<u64> = held.shown.iter().map(|r| r.ordinal).collect();
                 let expected: Vec<u64> = (tail + 1 - shown.len() as u64..=tail).collect();
                 assert_eq!(shown, expected, "a hold shows the newest rows, oldest first");
@@ -540,7 +586,7 @@ fn the_checkpoint_round_trip_survives_removals() {
     // re-registration, both remove keys; the verdict window drops the oldest verdicts.
     let mut scenario = Scenario::new();
     for n in 0..5_100_u64 {
-        let event = message("anna", "C1", &format!("{}.000100", 1_600_000_000 + n)).from_user("U1", "Uma").text("x");
+        let event = message("anna", "C1", &format!("{}.000100", 1_600_000_000 + n)).by_user("U1", "Uma").text("x");
         scenario.log.fold(event);
         if n % 1_000 == 0 {
             scenario.checkpoint();

@@ -24,13 +24,7 @@ pub fn ts(minute: u64) -> String {
 }
 
 fn envelope(event_id: String, payload: Payload) -> Envelope {
-    Envelope {
-        event_id,
-        occurred_at_ms: 0,
-        min_reader_version: 1,
-        source: "test".to_owned(),
-        payload: Some(payload),
-    }
+    Envelope { event_id, occurred_at_ms: 0, min_reader_version: 1, source: "test".to_owned(), payload: Some(payload) }
 }
 
 /// An agent and its Slack identities.
@@ -64,7 +58,7 @@ pub fn message(receiver: &str, channel: &str, ts: &str) -> Envelope {
 
 /// A DM from a human: the common trigger of a wake.
 pub fn dm_from_human(receiver: &str, channel: &str, ts: &str, text: &str) -> Envelope {
-    message(receiver, channel, ts).from_user("U1", "Uma").text(text)
+    message(receiver, channel, ts).by_user("U1", "Uma").text(text)
 }
 
 fn target(channel: &str) -> proto::ReplyTarget {
@@ -188,9 +182,9 @@ pub fn restart_drain(agent_id: &str, worker: &str) -> Envelope {
 /// Refinements of a built event.
 pub trait MessageExt {
     /// Written by a Slack user (a human, or an agent's bot user), shown as `name`.
-    fn from_user(self, user_id: &str, name: &str) -> Self;
+    fn by_user(self, user_id: &str, name: &str) -> Self;
     /// Written by a Slack bot (`bot_message`), with no user id.
-    fn from_bot(self, bot_id: &str, name: &str) -> Self;
+    fn by_bot(self, bot_id: &str, name: &str) -> Self;
     fn text(self, text: &str) -> Self;
     fn file(self, name: &str, size_bytes: u64) -> Self;
     /// In the thread rooted at `thread_ts` (a message, a send or a confirmation).
@@ -212,14 +206,14 @@ fn slack_message(envelope: &mut Envelope) -> &mut proto::SlackMessageObserved {
 }
 
 impl MessageExt for Envelope {
-    fn from_user(mut self, user_id: &str, name: &str) -> Self {
+    fn by_user(mut self, user_id: &str, name: &str) -> Self {
         let m = slack_message(&mut self);
         m.user_id = user_id.to_owned();
         m.user_name = name.to_owned();
         self
     }
 
-    fn from_bot(mut self, bot_id: &str, name: &str) -> Self {
+    fn by_bot(mut self, bot_id: &str, name: &str) -> Self {
         let m = slack_message(&mut self);
         m.bot_id = bot_id.to_owned();
         m.user_name = name.to_owned();

@@ -35,7 +35,8 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
     for (surface, journal) in log.state.journals.iter() {
         writeln!(out, "{surface} (tail {})", journal.tail).unwrap();
         for row in &journal.recent {
-            let author = if row.user_id.is_empty() { format!("bot {}", row.bot_id) } else { format!("user {}", row.user_id) };
+            let author =
+                if row.user_id.is_empty() { format!("bot {}", row.bot_id) } else { format!("user {}", row.user_id) };
             let owner = row.owner.as_deref().unwrap_or("-");
             writeln!(out, "  #{} ts {} {author} owner {owner} seq {}", row.ordinal, row.ts, row.seq).unwrap();
         }
@@ -44,7 +45,7 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
 }
 
 fn human(channel: &str, minute: u64, text: &str) -> Envelope {
-    message("anna", channel, &ts(minute)).from_user("U1", "Uma").text(text)
+    message("anna", channel, &ts(minute)).by_user("U1", "Uma").text(text)
 }
 
 #[test]
@@ -140,7 +141,7 @@ fn one_message_delivered_to_two_agents_is_one_row() {
 fn an_own_post_confirmed_then_observed_is_one_row() {
     check(
         &[agent("anna", "UANNA", "BANNA"), confirmed("anna", "C1", &ts(1), "my post")],
-        message("anna", "C1", &ts(1)).from_user("UANNA", "anna").text("my post"),
+        message("anna", "C1", &ts(1)).by_user("UANNA", "anna").text("my post"),
         expect![[r#"
             journaled on slack:T1:C1 as #1, a duplicate of an earlier delivery (delivered to anna), wake: none
             --- journals ---
@@ -218,7 +219,7 @@ fn a_message_without_author_is_not_journaled() {
 fn a_message_with_a_malformed_ts_is_not_journaled() {
     check(
         &[agent("anna", "UANNA", "BANNA")],
-        message("anna", "C1", "yesterday").from_user("U1", "Uma").text("hi"),
+        message("anna", "C1", "yesterday").by_user("U1", "Uma").text("hi"),
         expect![[r#"
             not journaled (delivered to anna)
             --- journals ---
@@ -230,7 +231,7 @@ fn a_message_with_a_malformed_ts_is_not_journaled() {
 fn a_bot_message_is_journaled_but_wakes_nobody() {
     check(
         &[agent("anna", "UANNA", "BANNA")],
-        message("anna", "D1", &ts(1)).from_bot("BCI", "ci").text("build green"),
+        message("anna", "D1", &ts(1)).by_bot("BCI", "ci").text("build green"),
         expect![[r#"
             journaled on slack:T1:D1 as #1 (delivered to anna), wake: none
             --- journals ---

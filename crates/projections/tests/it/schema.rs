@@ -150,7 +150,10 @@ fn an_unmarked_field_is_reported_by_its_full_name() {
     };
     let entry = DescriptorProto {
         name: Some("LabelsEntry".to_owned()),
-        field: vec![field("key", 1, Label::Optional, Type::String, None), field("value", 2, Label::Optional, Type::String, None)],
+        field: vec![
+            field("key", 1, Label::Optional, Type::String, None),
+            field("value", 2, Label::Optional, Type::String, None),
+        ],
         options: Some(MessageOptions { map_entry: Some(true), ..Default::default() }),
         ..Default::default()
     };
@@ -178,7 +181,8 @@ fn an_unmarked_field_is_reported_by_its_full_name() {
     // Mark two fields, either way, through reflection (prost-types would drop the extension).
     let base = events_pool();
     let content = base.get_extension_by_name(CONTENT_OPTION).expect("the option exists");
-    let file_type = base.get_message_by_name("google.protobuf.FileDescriptorProto").expect("descriptor.proto is imported");
+    let file_type =
+        base.get_message_by_name("google.protobuf.FileDescriptorProto").expect("descriptor.proto is imported");
     let options_type = base.get_message_by_name("google.protobuf.FieldOptions").expect("descriptor.proto is imported");
     let mut file = DynamicMessage::decode(file_type, file.encode_to_vec().as_slice()).unwrap();
     let Some(Value::List(messages)) = file.get_field_by_name_mut("message_type") else { unreachable!() };

@@ -41,7 +41,11 @@ fn describe(log: &TestLog, seq: u64) -> String {
     match verdict {
         Verdict::Send(SendVerdict::Allowed { surface, cursor_before, cursor_after }) => {
             assert_eq!(log.state.cursor(agent, surface), *cursor_after, "the verdict's cursor is the state's");
-            format!("allowed on {surface}: cursor {} -> {}\n", describe_cursor(*cursor_before), describe_cursor(*cursor_after))
+            format!(
+                "allowed on {surface}: cursor {} -> {}\n",
+                describe_cursor(*cursor_before),
+                describe_cursor(*cursor_after)
+            )
         }
         Verdict::Send(SendVerdict::Held(held)) => {
             let cursor_after = log.state.cursor(agent, &held.surface);
@@ -113,7 +117,7 @@ fn the_setup_leaves_a_cursor_after_the_first_row() {
 #[test]
 fn no_cursor_on_the_surface_allows() {
     check(
-        &[agent("anna", "UANNA", "BANNA"), message("anna", "C1", &ts(1)).from_user("U1", "Uma").text("anyone?")],
+        &[agent("anna", "UANNA", "BANNA"), message("anna", "C1", &ts(1)).by_user("U1", "Uma").text("anyone?")],
         send("anna", "C1"),
         expect![[r#"
             allowed on slack:T1:C1: cursor - -> -
@@ -136,8 +140,8 @@ fn nothing_new_after_the_cursor_allows() {
 fn own_rows_by_bot_user_id_allow_and_the_cursor_passes_them() {
     check(
         &given(vec![
-            message("anna", "D1", &ts(2)).from_user("UANNA", "anna").text("first part"),
-            message("anna", "D1", &ts(3)).from_user("UANNA", "anna").text("second part"),
+            message("anna", "D1", &ts(2)).by_user("UANNA", "anna").text("first part"),
+            message("anna", "D1", &ts(3)).by_user("UANNA", "anna").text("second part"),
         ]),
         send("anna", "D1"),
         expect![[r#"
@@ -149,7 +153,7 @@ fn own_rows_by_bot_user_id_allow_and_the_cursor_passes_them() {
 #[test]
 fn own_rows_by_bot_id_allow_and_the_cursor_passes_them() {
     check(
-        &given(vec![message("anna", "D1", &ts(2)).from_bot("BANNA", "anna").text("a bot_message of mine")]),
+        &given(vec![message("anna", "D1", &ts(2)).by_bot("BANNA", "anna").text("a bot_message of mine")]),
         send("anna", "D1"),
         expect![[r#"
             allowed on slack:T1:D1: cursor 1 -> 2
@@ -160,7 +164,7 @@ fn own_rows_by_bot_id_allow_and_the_cursor_passes_them() {
 #[test]
 fn a_row_whose_bot_id_is_the_bot_user_id_is_own() {
     check(
-        &given(vec![message("anna", "D1", &ts(2)).from_bot("UANNA", "anna").text("bot id equals my user id")]),
+        &given(vec![message("anna", "D1", &ts(2)).by_bot("UANNA", "anna").text("bot id equals my user id")]),
         send("anna", "D1"),
         expect![[r#"
             allowed on slack:T1:D1: cursor 1 -> 2
@@ -201,8 +205,8 @@ fn a_foreign_row_holds_and_shows_it() {
 fn another_agents_rows_are_foreign() {
     check(
         &given(vec![
-            message("anna", "D1", &ts(2)).from_user("UBERT", "bert").text("bert, as a user"),
-            message("anna", "D1", &ts(3)).from_bot("BBERT", "bert").text("bert, as a bot"),
+            message("anna", "D1", &ts(2)).by_user("UBERT", "bert").text("bert, as a user"),
+            message("anna", "D1", &ts(3)).by_bot("BBERT", "bert").text("bert, as a bot"),
         ]),
         send("anna", "D1"),
         expect![[r#"
@@ -337,9 +341,8 @@ fn twenty_five_foreign_rows_show_the_newest_twenty() {
 
 #[test]
 fn large_rows_are_limited_by_the_byte_budget() {
-    let large = (2..=6)
-        .map(|minute| dm_from_human("anna", "D1", &ts(minute), &format!("{minute}").repeat(5_000)))
-        .collect();
+    let large =
+        (2..=6).map(|minute| dm_from_human("anna", "D1", &ts(minute), &format!("{minute}").repeat(5_000))).collect();
     check(
         &given(large),
         send("anna", "D1"),
@@ -405,7 +408,8 @@ fn clipped_rows_with_many_files_stay_within_the_budget() {
 /// clipped at 6,000 bytes, so the newest row always fits a 16,384-byte notice.
 #[test]
 fn rows_of_many_short_lines_are_clipped_to_fit() {
-    let lines = (2..=4).map(|minute| dm_from_human("anna", "D1", &ts(minute), &format!("{}x", "\n".repeat(5_999)))).collect();
+    let lines =
+        (2..=4).map(|minute| dm_from_human("anna", "D1", &ts(minute), &format!("{}x", "\n".repeat(5_999)))).collect();
     let mut log = TestLog::with(&given(lines));
     let seq = log.fold(send("anna", "D1"));
     let described = describe(&log, seq);
@@ -514,7 +518,7 @@ fn a_message_just_before_the_send_in_the_log_is_seen() {
 #[test]
 fn the_notice_shows_nothing_from_other_surfaces() {
     let mut log = TestLog::with(&given(vec![
-        message("anna", "C1", &ts(2)).from_user("U2", "Vic").text("MARKER-CHANNEL"),
+        message("anna", "C1", &ts(2)).by_user("U2", "Vic").text("MARKER-CHANNEL"),
         dm_from_human("anna", "D1", &ts(3), "MARKER-THREAD").in_thread(&ts(1)),
         dm_from_human("anna", "D2", &ts(4), "MARKER-OTHER-DM"),
         dm_from_human("anna", "D1", &ts(6), "the only new row here"),
@@ -543,7 +547,10 @@ fn a_forged_plan_cannot_push_a_cursor_beyond_the_tail() {
     let item = log.state.queue("anna").and_then(|q| q.active.as_ref()).map(|a| a.item.id.clone()).unwrap();
     let forged = log.fold(start_with_plan("anna", "w1", &item, vec![plan_surface("slack:T1:D1", Some(1), 99)]));
     let Verdict::Refused(refusal) = log.verdict(forged) else { panic!("a forged plan started") };
-    assert_eq!(describe_refusal(refusal), "refused InvalidArgument: plan differs from the one the claim prepared; hand it back unchanged");
+    assert_eq!(
+        describe_refusal(refusal),
+        "refused InvalidArgument: plan differs from the one the claim prepared; hand it back unchanged"
+    );
     assert_eq!(log.cursors("anna"), "slack:T1:D1@1");
     let seq = log.fold(send("anna", "D1"));
     expect![[r#"
