@@ -5,9 +5,12 @@
 
 use anima_projections::state::{State, FOLD_VERSION};
 
-const STATE_PREFIX: u8 = b's';
-const FOLD_VERSION_KEY: &[u8] = b"m:fold_version";
-const STREAM_KEY: &[u8] = b"m:stream";
+/// Prefix of state entries; the rest of the key is the state's own checkpoint key.
+pub const STATE_PREFIX: u8 = b's';
+/// The fold version the checkpoint was taken by (big-endian u32).
+pub const FOLD_VERSION_KEY: &[u8] = b"m:fold_version";
+/// The identity of the stream the checkpoint was taken on.
+pub const STREAM_KEY: &[u8] = b"m:stream";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {

@@ -86,7 +86,7 @@ impl Instance {
         };
         let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
-        let Runner { projection, task } = Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
+        let Runner { projection, task, .. } = Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
         let last = log.last_seq().await?;
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;

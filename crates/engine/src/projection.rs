@@ -138,6 +138,8 @@ impl Projection {
 /// A running projection runner: its shared projection and the task that owns the fold.
 pub struct Runner {
     pub projection: Arc<Projection>,
+    /// The applied seq the checkpoint restored (0: started empty).
+    pub restored_seq: u64,
     pub task: tokio::task::JoinHandle<Result<(), RunnerError>>,
 }
 
@@ -174,7 +176,7 @@ impl Runner {
             log: log.clone(),
         });
         let task = tokio::spawn(run(log, projection.clone(), checkpoints, config, shutdown, stream_identity));
-        Ok(Runner { projection, task })
+        Ok(Runner { projection, restored_seq: start_seq, task })
     }
 }
 

@@ -1,3 +1,4 @@
 //! The engine's one integration-test binary (STYLE 10): each area is a module.
 
 mod conformance;
+mod runner;

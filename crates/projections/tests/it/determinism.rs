@@ -520,8 +520,8 @@ proptest! {
     }
 }
 
-/// A small deterministic generator, so the long scenario needs no proptest machinery; the seed
-/// is in the test name's assertion messages.
+/// A small seeded generator (SplitMix64) for the long scenarios; a failing seed is named in the
+/// assertion message.
 struct SplitMix(u64);
 
 impl SplitMix {
