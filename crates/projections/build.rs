@@ -7,14 +7,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     println!("cargo:rerun-if-changed={}", root.display());
     let files = [root.join("anima/v1/events.proto"), root.join("anima/v1/api.proto")];
-    let descriptors = protox::compile(&files, [&root])?;
+    let mut compiler = protox::Compiler::new([&root])?;
+    compiler.include_imports(true).open_files(&files)?;
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
-    std::fs::write(
-        out.join("events_descriptor.bin"),
-        prost::Message::encode_to_vec(&descriptors),
-    )?;
+    // Encoded by protox itself: going through prost_types would drop the extension options
+    // (the content marking), which prost_types does not know.
+    std::fs::write(out.join("events_descriptor.bin"), compiler.encode_file_descriptor_set())?;
     let mut config = prost_build::Config::new();
     config.btree_map(["."]);
-    config.compile_fds(descriptors)?;
+    config.compile_fds(compiler.file_descriptor_set())?;
     Ok(())
 }

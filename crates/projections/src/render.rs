@@ -23,6 +23,9 @@ pub const ROWS_SHOWN_MAX: usize = 20;
 pub const FILES_SHOWN_MAX: usize = 10;
 /// Sender display names are shown up to this many bytes.
 pub const SENDER_NAME_SHOWN_BYTES_MAX: usize = 256;
+/// Platform ids (user, bot, channel, ts) are shown up to this many bytes, escaped: they come from
+/// outside too.
+pub const PLATFORM_ID_SHOWN_BYTES_MAX: usize = 128;
 /// Each file name is shown up to this many bytes.
 pub const FILE_NAME_SHOWN_BYTES_MAX: usize = 200;
 
@@ -115,7 +118,8 @@ pub fn put_fenced_text(out: &mut impl Sink, text: &str) {
     let mut used = 0usize;
     let mut at_line_start = true;
     for (index, c) in text.char_indices() {
-        let len = escaped_char_len(c);
+        // The fence prefix counts: a message of many short lines must not grow past the clip.
+        let len = escaped_char_len(c) + if at_line_start { 2 } else { 0 };
         if used + len > MESSAGE_CLIP_BYTES {
             if !at_line_start {
                 out.put("\n");
@@ -163,11 +167,11 @@ pub fn put_sender(out: &mut impl Sink, meta: &RowMeta, body: &RowBody, reader: O
     }
     let id = if meta.user_id.is_empty() { &meta.bot_id } else { &meta.user_id };
     if body.user_name.trim().is_empty() {
-        out.put(id);
+        put_inline_clipped(out, id, PLATFORM_ID_SHOWN_BYTES_MAX);
     } else {
         put_inline_clipped(out, &body.user_name, SENDER_NAME_SHOWN_BYTES_MAX);
         out.put(" <");
-        out.put(id);
+        put_inline_clipped(out, id, PLATFORM_ID_SHOWN_BYTES_MAX);
         out.put(">");
     }
 }
@@ -277,20 +281,36 @@ pub fn put_wake_latest_header(out: &mut impl Sink, item: &crate::wake::WakeItem)
     let crate::surface::SurfaceId::Slack { channel, thread_ts, .. } = &item.trigger_surface;
     out.put("=== latest wake ===\n");
     out.put(&format!("reason: {}\n", item.reason.as_str()));
-    out.put(&format!("channel: {channel}\n"));
-    out.put(&format!("thread_ts: {}\n", thread_ts.as_deref().unwrap_or("-")));
-    out.put(&format!("message_ts: {}\n", item.trigger.ts));
+    put_field(out, "channel", channel);
+    put_field(out, "thread_ts", thread_ts.as_deref().unwrap_or("-"));
+    put_field(out, "message_ts", &item.trigger.ts);
     out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
     out.put("user: ");
+}
+
+/// One `key: value` header line with the value escaped onto the line.
+fn put_field(out: &mut impl Sink, key: &str, value: &str) {
+    out.put(key);
+    out.put(": ");
+    put_inline_clipped(out, value, PLATFORM_ID_SHOWN_BYTES_MAX);
+    out.put("\n");
 }
 
 /// The last block: where to answer.
 pub fn put_wake_tail(out: &mut impl Sink, reply_to: &crate::surface::SurfaceId) {
     let crate::surface::SurfaceId::Slack { team, channel, thread_ts } = reply_to;
     out.put("=== reply ===\n");
+    out.put("reply_to: slack team=");
+    put_inline_clipped(out, team, PLATFORM_ID_SHOWN_BYTES_MAX);
+    out.put(" channel=");
+    put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
     match thread_ts {
-        Some(ts) => out.put(&format!("reply_to: slack team={team} channel={channel} thread_ts={ts}\n")),
-        None => out.put(&format!("reply_to: slack team={team} channel={channel} (top level)\n")),
+        Some(ts) => {
+            out.put(" thread_ts=");
+            put_inline_clipped(out, ts, PLATFORM_ID_SHOWN_BYTES_MAX);
+            out.put("\n");
+        }
+        None => out.put(" (top level)\n"),
     }
 }
 
@@ -344,7 +364,7 @@ mod tests {
 
     #[test]
     fn clipping_never_splits_a_code_point() {
-        let text = "a".repeat(MESSAGE_CLIP_BYTES - 1) + "😀😀";
+        let text = "a".repeat(MESSAGE_CLIP_BYTES - 3) + "😀😀";
         let mut out = String::new();
         put_fenced_text(&mut out, &text);
         assert!(out.contains("clipped: 8 more bytes"));

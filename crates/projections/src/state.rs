@@ -73,9 +73,9 @@ pub struct State {
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
-    /// (agent, item id) → log time it settled.
-    pub settled: Table<(String, String), i64>,
-    /// (agent, seq it settled at) → item id, oldest first, to forget the oldest.
+    /// (agent, item id) → (log time it settled, its settle order).
+    pub settled: Table<(String, String), (i64, u64)>,
+    /// (agent, settle order) → item id, oldest first, to forget the oldest.
     pub settled_order: Table<(String, u64), String>,
     pub verdicts: Table<u64, Verdict>,
 }

@@ -18,7 +18,8 @@ pub enum Verdict {
     Claim(ClaimVerdict),
     Started { item_id: String },
     Finished { item_id: String, requeued: bool },
-    /// The request was refused; nothing changed.
+    /// The request was refused. Nothing changed, except that a start refused as stale returns
+    /// its item to the front of the queue, so the next claim prepares a fresh plan.
     Refused(Refusal),
 }
 

@@ -76,6 +76,8 @@ pub struct AgentQueue {
     pub active: Option<ActiveWake>,
     /// How many settled ids are remembered for this agent.
     pub settled_remembered: u32,
+    /// Order of the next settled id, so the oldest can be forgotten first.
+    pub settled_counter: u64,
 }
 
 impl AgentQueue {
@@ -96,7 +98,7 @@ impl State {
     /// Returns the reason when it was queued.
     pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Option<WakeReason> {
         let settled_key = (agent.to_owned(), item.id.clone());
-        if let Some(&settled_at) = self.settled.get(&settled_key) {
+        if let Some(&(settled_at, _)) = self.settled.get(&settled_key) {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
                 return None;
             }
@@ -111,11 +113,22 @@ impl State {
     }
 
     /// Records that `item_id` settled, forgetting the agent's oldest settled id beyond the bound.
+    /// Several items can settle at one log position (a claim settles covered items on its way),
+    /// so the order is a per-agent counter, and a settled entry is only forgotten by the order
+    /// entry that wrote it (an id settled again later keeps its newer entry).
     fn remember_settled(&mut self, at: LogPosition, agent: &str, item_id: &str) {
-        self.settled.insert((agent.to_owned(), item_id.to_owned()), at.at_ns);
-        self.settled_order.insert((agent.to_owned(), at.seq), item_id.to_owned());
         let queue = self.queues.entry_or_default(agent.to_owned());
-        queue.settled_remembered += 1;
+        let order = queue.settled_counter;
+        queue.settled_counter += 1;
+        match self.settled.insert((agent.to_owned(), item_id.to_owned()), (at.at_ns, order)) {
+            // Settled again: its older order entry no longer counts.
+            Some((_, previous_order)) => {
+                self.settled_order.remove(&(agent.to_owned(), previous_order));
+            }
+            None => self.queues.entry_or_default(agent.to_owned()).settled_remembered += 1,
+        }
+        self.settled_order.insert((agent.to_owned(), order), item_id.to_owned());
+        let queue = self.queues.entry_or_default(agent.to_owned());
         if queue.settled_remembered as usize > SETTLED_REMEMBERED_MAX {
             queue.settled_remembered -= 1;
             let oldest = self
@@ -123,8 +136,8 @@ impl State {
                 .range((agent.to_owned(), 0)..=(agent.to_owned(), u64::MAX))
                 .next()
                 .map(|(key, id)| (key.clone(), id.clone()));
-            if let Some((key, id)) = oldest {
-                self.settled_order.remove(&key);
+            if let Some(((_, oldest_order), id)) = oldest {
+                self.settled_order.remove(&(agent.to_owned(), oldest_order));
                 self.settled.remove(&(agent.to_owned(), id));
             }
         }

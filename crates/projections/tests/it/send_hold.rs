@@ -379,13 +379,13 @@ fn clipped_rows_with_many_files_stay_within_the_budget() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 4, shown 1, omitted 3, cursor 1 -> 5
-            notice: 8693 bytes
+            notice: 8691 bytes
             === not posted yet ===
             4 new messages arrived in this conversation since you last looked, so your message was not posted yet.
             The 3 older ones are not shown; the newest follow, oldest first.
             [#5 2023-11-14 22:18:20 UTC] Uma <U1>
-            > ééééééééééééééééééééééééééééé... [5942 more bytes]
-            > [... clipped: 34000 more bytes of this message not shown]
+            > ééééééééééééééééééééééééééééé... [5940 more bytes]
+            > [... clipped: 34002 more bytes of this message not shown]
             > [file: 0-fffffffffffffffffffffffffffffffffffffffffffffffff... [162 more bytes]
             > [file: 1-fffffffffffffffffffffffffffffffffffffffffffffffff... [162 more bytes]
             > [file: 2-fffffffffffffffffffffffffffffffffffffffffffffffff... [162 more bytes]
