@@ -202,7 +202,10 @@ impl MixGenerator {
             42..=61 => self.dm_message(),
             62..=75 => self.agent_reply(),
             76..=98 => self.wake_step(),
-            _ => self.register(self.random.below(AGENTS_TOTAL as u64) as usize),
+            _ => {
+                let agent = self.random.below(AGENTS_TOTAL as u64) as usize;
+                self.register(agent);
+            }
         }
     }
 

@@ -74,7 +74,15 @@ pub struct Engine {
     log: Arc<dyn EventLog>,
     projection: Arc<Projection>,
     config: EngineConfig,
+    /// When this instance last appended a heartbeat per (agent, item), to append at most one a
+    /// minute. Bounded: entries older than the interval are dropped when it grows.
+    heartbeats: Arc<std::sync::Mutex<std::collections::BTreeMap<(String, String), std::time::Instant>>>,
 }
+
+/// Heartbeats appended per item at most this often; more frequent ones are acknowledged only.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(60);
+/// Heartbeat entries remembered before old ones are dropped.
+const HEARTBEATS_REMEMBERED_MAX: usize = 100_000;
 
 /// A Slack observation as a connector reports it: the message and every agent that received it.
 #[derive(Clone, Debug)]
@@ -117,7 +125,7 @@ pub struct ClaimedWakeText {
 
 impl Engine {
     pub fn new(log: Arc<dyn EventLog>, projection: Arc<Projection>, config: EngineConfig) -> Self {
-        Engine { log, projection, config }
+        Engine { log, projection, config, heartbeats: Arc::default() }
     }
 
     pub fn projection(&self) -> &Arc<Projection> {
@@ -408,6 +416,107 @@ impl Engine {
         match verdict {
             Verdict::Finished { requeued, .. } => Ok((outcome.seq(), requeued)),
             other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl Engine {
+    /// Records that the runtime still works on a running wake. Returns whether a heartbeat was
+    /// appended (false: one was appended by this instance less than a minute ago).
+    pub async fn heartbeat(&self, request: proto::WakeHeartbeat) -> Result<bool, CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        validate::id("worker_id", &request.worker_id)?;
+        validate::bounded("item_id", &request.item_id, 512)?;
+        let key = (request.agent_id.clone(), request.item_id.clone());
+        {
+            let mut heartbeats = self.heartbeats.lock().unwrap_or_else(|p| p.into_inner());
+            if heartbeats.get(&key).is_some_and(|at| at.elapsed() < HEARTBEAT_INTERVAL) {
+                return Ok(false);
+            }
+            if heartbeats.len() >= HEARTBEATS_REMEMBERED_MAX {
+                heartbeats.retain(|_, at| at.elapsed() < HEARTBEAT_INTERVAL);
+            }
+            heartbeats.insert(key, std::time::Instant::now());
+        }
+        let envelope = self.envelope(Uuid::now_v7().to_string(), 0, Payload::WakeHeartbeat(request.clone()));
+        let subject = format!("{}.hb", subject::agent_subject(&request.agent_id));
+        match self.append_and_decide(subject, &envelope).await?.1 {
+            Verdict::HeartbeatRecorded => Ok(true),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Mutes or unmutes a channel (no thread ts) or a thread for the agent.
+    pub async fn change_subscription(
+        &self,
+        agent_id: &str,
+        target: Option<proto::SlackTarget>,
+        mute: bool,
+        request_id: &str,
+    ) -> Result<u64, CommandError> {
+        self.require_agent("agent_id", agent_id)?;
+        let target = target.ok_or_else(|| invalid("target", "must name a channel or a thread"))?;
+        let reply_target = proto::ReplyTarget { target: Some(proto::reply_target::Target::Slack(target.clone())) };
+        Self::target_surface(Some(&reply_target))?;
+        let event_id = Self::request_event_id(request_id)?;
+        let request = proto::SubscriptionChangeRequested { agent_id: agent_id.to_owned(), target: Some(target), mute };
+        let envelope = self.envelope(event_id, 0, Payload::SubscriptionChange(request));
+        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(agent_id), &envelope).await?;
+        match verdict {
+            Verdict::SubscriptionChanged { .. } => Ok(outcome.seq()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Asks the fold to re-queue running wakes whose last sign of life (log time) is older than
+    /// the silence bound by this instance's clock; the fold re-checks with the log's time. The
+    /// request id is derived from the wake's last sign of life, so instances asking at once
+    /// append one request. Returns how many were recovered.
+    pub async fn recover_silent_wakes(&self, now_ns: i64) -> Result<usize, CommandError> {
+        let candidates: Vec<(String, String, i64)> = {
+            let state = self.projection.state();
+            state
+                .queues
+                .iter()
+                .filter_map(|(agent, queue)| queue.active.as_ref().map(|active| (agent, active)))
+                .filter(|(_, active)| active.started_seq.is_some())
+                .filter(|(_, active)| now_ns.saturating_sub(active.last_alive_ns) >= anima_projections::wake::HEARTBEAT_SILENCE_NS)
+                .map(|(agent, active)| (agent.clone(), active.item.id.clone(), active.last_alive_ns))
+                .collect()
+        };
+        let mut recovered = 0;
+        for (agent, item, last_alive_ns) in candidates {
+            let key = format!("recover\0{agent}\0{item}\0{last_alive_ns}");
+            let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+            let request = proto::WakeRecoveryRequested { agent_id: agent.clone(), item_id: item.clone() };
+            let envelope = self.envelope(event_id, 0, Payload::WakeRecovery(request));
+            match self.append_and_decide(subject::agent_subject(&agent), &envelope).await {
+                Ok((_, Verdict::Recovered { .. })) => {
+                    tracing::warn!(agent = %agent, item = %item, "re-queued a running wake whose heartbeat went silent");
+                    recovered += 1;
+                }
+                Ok(_) | Err(CommandError::Refused(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(recovered)
+    }
+}
+
+/// Runs [`Engine::recover_silent_wakes`] every `interval` until `shutdown`.
+pub async fn run_recovery_loop(engine: Engine, interval: Duration, shutdown: tokio_util::sync::CancellationToken) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+        if let Err(e) = engine.recover_silent_wakes(now_ns).await {
+            tracing::warn!(error = %e, "recovery loop");
         }
     }
 }

@@ -33,6 +33,8 @@ pub struct InstanceConfig {
     pub engine: EngineConfig,
     /// How long start-up waits for the projection to catch up with the log.
     pub catch_up_wait: Duration,
+    /// How often the recovery loop looks for running wakes whose heartbeat went silent.
+    pub recovery_interval: Duration,
 }
 
 impl InstanceConfig {
@@ -43,6 +45,7 @@ impl InstanceConfig {
             runner: RunnerConfig::default(),
             engine: EngineConfig::default(),
             catch_up_wait: Duration::from_secs(3600),
+            recovery_interval: Duration::from_secs(60),
         }
     }
 }
@@ -65,6 +68,8 @@ pub struct Instance {
     pub backend_name: &'static str,
     pub shutdown: CancellationToken,
     pub runner: tokio::task::JoinHandle<Result<(), RunnerError>>,
+    /// The recovery loop; it ends with `shutdown`.
+    pub recovery: tokio::task::JoinHandle<()>,
 }
 
 impl Instance {
@@ -91,12 +96,18 @@ impl Instance {
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
         let engine = Engine::new(log, projection, config.engine);
-        Ok(Instance { engine, backend_name, shutdown, runner: task })
+        let recovery = tokio::spawn(crate::command::run_recovery_loop(
+            engine.clone(),
+            config.recovery_interval,
+            shutdown.clone(),
+        ));
+        Ok(Instance { engine, backend_name, shutdown, runner: task, recovery })
     }
 
     /// Stops the runner, writing a last checkpoint.
     pub async fn stop(self) -> Result<(), InstanceError> {
         self.shutdown.cancel();
+        let _ = self.recovery.await;
         match self.runner.await {
             Ok(result) => Ok(result?),
             Err(e) => Err(InstanceError::CatchUp(format!("runner task: {e}"))),

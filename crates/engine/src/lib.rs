@@ -4,9 +4,11 @@
 
 pub mod checkpoint;
 pub mod command;
+pub mod digest;
 pub mod instance;
 pub mod log;
 pub mod projection;
+pub mod replay;
 pub mod subject;
 pub mod testing;
 pub mod validate;

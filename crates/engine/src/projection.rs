@@ -97,6 +97,11 @@ impl Projection {
         *self.applied.borrow()
     }
 
+    /// A receiver that changes whenever the fold applied more events (for live streams).
+    pub fn subscribe_applied(&self) -> watch::Receiver<u64> {
+        self.applied.subscribe()
+    }
+
     /// Waits until the fold has applied `seq`.
     pub async fn wait_applied(&self, seq: u64, timeout: Duration) -> Result<(), WaitError> {
         let mut rx = self.applied.subscribe();

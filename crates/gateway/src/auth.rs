@@ -70,7 +70,7 @@ pub fn allowed(role: Role, path: &str) -> bool {
         (_, "grpc.reflection.v1.ServerReflection", _) => true,
         (Role::Connector, "anima.v1.Ingest", _) => true,
         (Role::Connector, _, "/anima.v1.Sends/Confirm") => true,
-        (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends", _) => true,
+        (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends" | "anima.v1.Subscriptions", _) => true,
         _ => false,
     }
 }

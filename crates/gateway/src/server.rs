@@ -29,6 +29,7 @@ pub struct RunningServer {
     shutdown: CancellationToken,
     serve: tokio::task::JoinHandle<anyhow::Result<()>>,
     runner: tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>,
+    recovery: tokio::task::JoinHandle<()>,
 }
 
 impl RunningServer {
@@ -36,6 +37,7 @@ impl RunningServer {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.shutdown.cancel();
         self.serve.await.context("server task")??;
+        self.recovery.await.context("recovery task")?;
         self.runner.await.context("runner task")??;
         Ok(())
     }
@@ -69,7 +71,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     };
     instance_config.engine =
         EngineConfig { verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms), ..EngineConfig::default() };
-    let Instance { engine, backend_name, shutdown, runner } = Instance::start(instance_config).await?;
+    let Instance { engine, backend_name, shutdown, runner, recovery } = Instance::start(instance_config).await?;
     let configured: Vec<events::AgentRegistered> = config
         .agents
         .iter()
@@ -93,18 +95,20 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     health.set_serving::<api::ingest_server::IngestServer<Services>>().await;
     health.set_serving::<api::wakes_server::WakesServer<Services>>().await;
     health.set_serving::<api::sends_server::SendsServer<Services>>().await;
+    health.set_serving::<api::subscriptions_server::SubscriptionsServer<Services>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(api::DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    let services = Services { engine: engine.clone() };
+    let services = Services { engine: engine.clone(), shutdown: shutdown.clone() };
     let router = tonic::transport::Server::builder()
         .layer(AuthLayer(auth))
         .add_service(health_service)
         .add_service(reflection)
         .add_service(api::ingest_server::IngestServer::new(services.clone()))
         .add_service(api::wakes_server::WakesServer::new(services.clone()))
-        .add_service(api::sends_server::SendsServer::new(services));
+        .add_service(api::sends_server::SendsServer::new(services.clone()))
+        .add_service(api::subscriptions_server::SubscriptionsServer::new(services));
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let stop = shutdown.clone();
     let serve = tokio::spawn(async move {
@@ -119,5 +123,5 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         Ok(())
     });
     tracing::info!(%local_addr, backend = backend_name, "serving");
-    Ok(RunningServer { local_addr, engine, shutdown, serve, runner })
+    Ok(RunningServer { local_addr, engine, shutdown, serve, runner, recovery })
 }

@@ -32,6 +32,8 @@ pub fn status(error: CommandError) -> Status {
 #[derive(Clone)]
 pub struct Services {
     pub engine: Engine,
+    /// Cancelled on shutdown: long-lived streams end on it.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
 
 fn outcome_message(outcome: IngestOutcome) -> api::AppendOutcome {
@@ -127,8 +129,68 @@ impl api::ingest_server::Ingest for Services {
     }
 }
 
+/// Whether the agent has a claimable wake, and how many are queued, as of the fold's state.
+fn wake_signal(engine: &Engine, agent: &str) -> api::WakeSignal {
+    let state = engine.projection().state();
+    let queue = state.queue(agent);
+    let queued = queue.map_or(0, |q| q.queued.len());
+    let claimable = queue.is_some_and(|q| q.active.is_none() && !q.queued.is_empty());
+    api::WakeSignal {
+        agent_id: agent.to_owned(),
+        queued: u32::try_from(queued).unwrap_or(u32::MAX),
+        claimable,
+        as_of_seq: state.meta.applied_seq,
+    }
+}
+
 #[tonic::async_trait]
 impl api::wakes_server::Wakes for Services {
+    type WatchStream = ResponseStream<api::WakeSignal>;
+
+    async fn watch(&self, request: Request<api::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        let principal = Principal::of(&request)?;
+        let agent = request.into_inner().agent_id;
+        principal.require_agent(&agent)?;
+        anima_engine::validate::id("agent_id", &agent).map_err(status)?;
+        if !self.engine.projection().state().agents.contains_key(&agent) {
+            return Err(Status::invalid_argument(format!("agent_id: unknown agent {agent:?}")));
+        }
+        let engine = self.engine.clone();
+        let shutdown = self.shutdown.clone();
+        let mut applied = engine.projection().subscribe_applied();
+        // Signals on every change of (queued, claimable); the first one at once.
+        let stream = async_stream_signals(move |tx| async move {
+            let mut last: Option<(u32, bool)> = None;
+            loop {
+                let signal = wake_signal(&engine, &agent);
+                if last != Some((signal.queued, signal.claimable)) {
+                    last = Some((signal.queued, signal.claimable));
+                    if tx.send(Ok(signal)).await.is_err() {
+                        return;
+                    }
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    changed = applied.changed() => if changed.is_err() { return },
+                }
+            }
+        });
+        Ok(Response::new(stream))
+    }
+
+    async fn heartbeat(&self, request: Request<api::HeartbeatRequest>) -> Result<Response<api::HeartbeatResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let heartbeat = events::WakeHeartbeat {
+            agent_id: request.agent_id,
+            worker_id: request.worker_id,
+            item_id: request.item_id,
+        };
+        let appended = self.engine.heartbeat(heartbeat).await.map_err(status)?;
+        Ok(Response::new(api::HeartbeatResponse { appended }))
+    }
+
     async fn claim(&self, request: Request<api::ClaimRequest>) -> Result<Response<api::ClaimResponse>, Status> {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
@@ -237,5 +299,85 @@ impl api::sends_server::Sends for Services {
             duplicate_event: outcome.duplicate_event,
             ordinal: if outcome.journal.duplicate_message { 0 } else { outcome.journal.ordinal },
         }))
+    }
+}
+
+/// Signals buffered per Watch stream; a slow client only ever needs the newest.
+const WATCH_BUFFER_MAX: usize = 16;
+
+/// A response stream fed by a task that owns its sender; the task ends when the client goes
+/// away or the producer returns.
+fn async_stream_signals<T, F, Fut>(producer: F) -> ResponseStream<T>
+where
+    T: Send + 'static,
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<T, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER_MAX);
+    tokio::spawn(producer(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+#[tonic::async_trait]
+impl api::subscriptions_server::Subscriptions for Services {
+    async fn mute(&self, request: Request<api::SubscriptionRequest>) -> Result<Response<api::SubscriptionResponse>, Status> {
+        self.change_subscription(request, true).await
+    }
+
+    async fn unmute(&self, request: Request<api::SubscriptionRequest>) -> Result<Response<api::SubscriptionResponse>, Status> {
+        self.change_subscription(request, false).await
+    }
+
+    async fn list(
+        &self,
+        request: Request<api::ListSubscriptionsRequest>,
+    ) -> Result<Response<api::ListSubscriptionsResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let agent = request.into_inner().agent_id;
+        principal.require_agent(&agent)?;
+        let state = self.engine.projection().state();
+        if !state.agents.contains_key(&agent) {
+            return Err(Status::invalid_argument(format!("agent_id: unknown agent {agent:?}")));
+        }
+        let subscriptions = state
+            .subscriptions
+            .range((agent.clone(), anima_projections::surface::SurfaceId::Slack {
+                team: String::new(),
+                channel: String::new(),
+                thread_ts: None,
+            })..)
+            .take_while(|((owner, _), _)| *owner == agent)
+            .filter(|(_, s)| s.member || s.following || s.muted)
+            .map(|((_, surface), s)| api::Subscription {
+                surface: surface.to_string(),
+                target: match surface.to_target().target {
+                    Some(api::reply_target::Target::Slack(target)) => Some(target),
+                    None => None,
+                },
+                member: s.member,
+                following: s.following,
+                muted: s.muted,
+                wakes_since_post: s.attention.wakes_since_post,
+            })
+            .collect();
+        Ok(Response::new(api::ListSubscriptionsResponse { subscriptions, as_of_seq: state.meta.applied_seq }))
+    }
+}
+
+impl Services {
+    async fn change_subscription(
+        &self,
+        request: Request<api::SubscriptionRequest>,
+        mute: bool,
+    ) -> Result<Response<api::SubscriptionResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let seq = self
+            .engine
+            .change_subscription(&request.agent_id, request.target, mute, &request.request_id)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(api::SubscriptionResponse { seq }))
     }
 }

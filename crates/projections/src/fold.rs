@@ -15,7 +15,8 @@ use crate::state::{
 };
 use crate::surface::{slack_message_identity, SurfaceId};
 use crate::verdict::{JournalVerdict, Refusal, RefusalKind, Verdict};
-use crate::wake::{WakeItem, WakeReason};
+use crate::subscription::{Observed, Route};
+use crate::wake::WakeItem;
 
 /// Slack subtypes that are journal rows; edits, deletes and joins are recorded but not rows.
 const OBSERVABLE_SUBTYPES: [&str; 3] = ["", "bot_message", "file_share"];
@@ -50,6 +51,9 @@ impl State {
             Some(Payload::WakeClaim(request)) => self.claim_wake(at, request),
             Some(Payload::WakeStart(request)) => self.start_wake(at, request),
             Some(Payload::WakeFinish(request)) => self.finish_wake(at, request),
+            Some(Payload::SubscriptionChange(request)) => self.change_subscription(at, request),
+            Some(Payload::WakeHeartbeat(request)) => self.record_heartbeat(at, request),
+            Some(Payload::WakeRecovery(request)) => self.recover_wake(at, request),
             None if envelope.min_reader_version > READER_VERSION => {
                 self.meta.halted = Some(Halt {
                     seq: at.seq,
@@ -107,8 +111,16 @@ impl State {
 
     fn observe_slack_message(&mut self, at: LogPosition, message: &proto::SlackMessageObserved) -> Verdict {
         let agent = message.receiving_agent_id.clone();
-        let not_journaled =
-            |agent: String| Verdict::Journaled(JournalVerdict { agent, surface: None, ordinal: 0, duplicate_message: false, wake: None });
+        let not_journaled = |agent: String| {
+            Verdict::Journaled(JournalVerdict {
+                agent,
+                surface: None,
+                ordinal: 0,
+                duplicate_message: false,
+                wake: None,
+                route: None,
+            })
+        };
         let kind_ok = matches!(
             proto::SlackDeliveryKind::try_from(message.kind),
             Ok(proto::SlackDeliveryKind::Message | proto::SlackDeliveryKind::AppMention)
@@ -136,20 +148,35 @@ impl State {
         if existing.is_none() {
             self.journal_row(&surface, row.clone());
         }
-        let routable = !message.user_id.is_empty() && !message.text.trim().is_empty();
         let mut wake = None;
-        if routable && self.agents.contains_key(&agent) && !row.is_own(&agent) && surface.is_dm() {
-            let item = WakeItem {
-                id: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
-                reason: WakeReason::Dm,
-                trigger_surface: surface.clone(),
-                trigger: row,
-                reply_to: surface.clone(),
-                queued_seq: at.seq,
-                queued_at_ns: at.at_ns,
-                resume_after_restart: false,
+        let mut route = None;
+        if self.agents.contains_key(&agent) {
+            if row.is_own(&agent) && existing.is_none() {
+                self.note_own_post(at, &agent, &surface, &message.ts);
+            }
+            let observed = Observed {
+                surface: &surface,
+                row: &row,
+                is_app_mention: message.kind == proto::SlackDeliveryKind::AppMention as i32,
+                is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
+                text: &message.text,
             };
-            wake = self.queue_wake(at, &agent, item);
+            let routed = self.route(&agent, &observed);
+            route = Some(routed.route);
+            if let (Route::Wake(reason), Some(reply_to)) = (routed.route, routed.reply_to) {
+                let item = WakeItem {
+                    id: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
+                    reason,
+                    trigger_surface: surface.clone(),
+                    trigger: row,
+                    reply_to,
+                    queued_seq: at.seq,
+                    queued_at_ns: at.at_ns,
+                    resume_after_restart: false,
+                    note: None,
+                };
+                wake = self.queue_wake(at, &agent, item);
+            }
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -157,6 +184,7 @@ impl State {
             ordinal,
             duplicate_message: existing.is_some(),
             wake,
+            route,
         })
     }
 
@@ -188,6 +216,9 @@ impl State {
                     &body,
                 );
                 self.journal_row(&surface, row);
+                if confirmation.kind != proto::SendKind::File as i32 {
+                    self.note_own_post(at, &agent, &surface, &confirmation.ts);
+                }
                 ordinal
             }
         };
@@ -197,6 +228,7 @@ impl State {
             ordinal,
             duplicate_message: existing.is_some(),
             wake: None,
+            route: None,
         })
     }
 

@@ -8,9 +8,12 @@
 
 pub mod fold;
 pub mod journal;
+pub mod memory_slot;
+pub mod redact;
 pub mod render;
 pub mod send_hold;
 pub mod state;
+pub mod subscription;
 pub mod surface;
 pub mod table;
 pub mod time;

@@ -276,6 +276,29 @@ pub fn put_wake_head(out: &mut impl Sink, not_shown: u64, resume_after_restart: 
     }
 }
 
+/// A mute suggestion: names the exact command, never mutes on the agent's behalf.
+pub fn put_attention_note(out: &mut impl Sink, note: &crate::subscription::AttentionNote) {
+    let crate::surface::SurfaceId::Slack { channel, thread_ts, .. } = &note.target;
+    let place = if thread_ts.is_some() { "this thread" } else { "this channel" };
+    match note.kind {
+        crate::subscription::NoteKind::Burst => out.put(&format!(
+            "[anima] {place} woke you {} times within the last hour and you have not posted there. If it does not need you, mute it: ",
+            note.wakes
+        )),
+        crate::subscription::NoteKind::Chronic => out.put(&format!(
+            "[anima] {place} woke you {} times over three days or more since you last posted there. If it does not need you, mute it: ",
+            note.wakes
+        )),
+    }
+    out.put("anima subscription mute --channel ");
+    put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
+    if let Some(ts) = thread_ts {
+        out.put(" --thread-ts ");
+        put_inline_clipped(out, ts, PLATFORM_ID_SHOWN_BYTES_MAX);
+    }
+    out.put("\n");
+}
+
 /// The "latest wake" block up to the sender (whose label and body follow it).
 pub fn put_wake_latest_header(out: &mut impl Sink, item: &crate::wake::WakeItem) {
     let crate::surface::SurfaceId::Slack { channel, thread_ts, .. } = &item.trigger_surface;
@@ -296,9 +319,13 @@ fn put_field(out: &mut impl Sink, key: &str, value: &str) {
     out.put("\n");
 }
 
-/// The last block: where to answer.
-pub fn put_wake_tail(out: &mut impl Sink, reply_to: &crate::surface::SurfaceId) {
-    let crate::surface::SurfaceId::Slack { team, channel, thread_ts } = reply_to;
+/// The last blocks: platform notes, then where to answer.
+pub fn put_wake_tail(out: &mut impl Sink, item: &crate::wake::WakeItem) {
+    if let Some(note) = &item.note {
+        out.put("=== notes ===\n");
+        put_attention_note(out, note);
+    }
+    let crate::surface::SurfaceId::Slack { team, channel, thread_ts } = &item.reply_to;
     out.put("=== reply ===\n");
     out.put("reply_to: slack team=");
     put_inline_clipped(out, team, PLATFORM_ID_SHOWN_BYTES_MAX);
@@ -319,7 +346,7 @@ pub fn wake_frame_bytes_max(item: &crate::wake::WakeItem) -> usize {
     let mut count = ByteCount::default();
     put_wake_head(&mut count, u64::MAX, item.resume_after_restart);
     put_wake_latest_header(&mut count, item);
-    put_wake_tail(&mut count, &item.reply_to);
+    put_wake_tail(&mut count, item);
     count.0 + item.trigger.sender_bytes as usize + 1 + item.trigger.body_bytes as usize
 }
 
@@ -343,7 +370,7 @@ pub fn render_wake_text(
     put_sender(&mut out, &item.trigger, trigger_body, Some(reader));
     out.put("\n");
     put_body(&mut out, trigger_body);
-    put_wake_tail(&mut out, &item.reply_to);
+    put_wake_tail(&mut out, item);
     out
 }
 

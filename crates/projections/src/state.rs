@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::SurfaceJournal;
+use crate::subscription::Subscription;
 use crate::surface::SurfaceId;
 use crate::table::Table;
 use crate::verdict::Verdict;
@@ -15,7 +16,7 @@ use crate::wake::AgentQueue;
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 1;
+pub const FOLD_VERSION: u32 = 2;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -78,6 +79,8 @@ pub struct State {
     /// (agent, settle order) → item id, oldest first, to forget the oldest.
     pub settled_order: Table<(String, u64), String>,
     pub verdicts: Table<u64, Verdict>,
+    /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
+    pub subscriptions: Table<AgentSurface, Subscription>,
 }
 
 /// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
@@ -156,6 +159,7 @@ state_tables! {
     8 => settled,
     9 => settled_order,
     10 => verdicts,
+    11 => subscriptions,
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {

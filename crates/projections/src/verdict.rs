@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::RowMeta;
+use crate::subscription::Route;
 use crate::surface::SurfaceId;
 use crate::wake::{PlanEntry, WakeItem, WakeReason};
 
@@ -16,7 +17,13 @@ pub enum Verdict {
     AgentRegistered,
     Send(SendVerdict),
     Claim(ClaimVerdict),
-    Started { item_id: String },
+    /// The start was accepted; `coalesced` are other queued items its cursors now cover, settled
+    /// without a turn.
+    Started { item_id: String, coalesced: Vec<String> },
+    HeartbeatRecorded,
+    /// A silent running wake was re-queued to resume.
+    Recovered { item_id: String },
+    SubscriptionChanged { surface: SurfaceId, muted: bool },
     Finished { item_id: String, requeued: bool },
     /// The request was refused. Nothing changed, except that a start refused as stale returns
     /// its item to the front of the queue, so the next claim prepares a fresh plan.
@@ -35,6 +42,9 @@ pub struct JournalVerdict {
     pub duplicate_message: bool,
     /// The wake it queued for the agent, if any.
     pub wake: Option<WakeReason>,
+    /// How routing judged it for the agent (`None`: not journaled or unknown agent). A route
+    /// to a wake with `wake: None` was a duplicate item or a full queue.
+    pub route: Option<Route>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::journal::RowMeta;
+use crate::subscription::AttentionNote;
 use crate::surface::SurfaceId;
 
 /// Queued items per agent. An observation that would queue more is recorded without a wake
@@ -15,6 +16,8 @@ pub const QUEUED_ITEMS_MAX: usize = 10_000;
 pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
 /// How long a settled item id stays a duplicate, in log time.
 pub const SETTLED_REMEMBERED_NS: i64 = 14 * 24 * 3600 * 1_000_000_000;
+/// A running wake without a heartbeat for this long (log time) may be recovered.
+pub const HEARTBEAT_SILENCE_NS: i64 = 30 * 60 * 1_000_000_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WakeReason {
@@ -50,6 +53,8 @@ pub struct WakeItem {
     pub queued_at_ns: i64,
     /// Set when the item comes back after a runtime restart drained it.
     pub resume_after_restart: bool,
+    /// A mute suggestion this wake carries.
+    pub note: Option<AttentionNote>,
 }
 
 /// One surface of a plan: the cursor the start expects, and where the start moves it.
@@ -68,6 +73,8 @@ pub struct ActiveWake {
     pub claimed_seq: u64,
     /// `Some` once a start was accepted.
     pub started_seq: Option<u64>,
+    /// Log time of the accepted start, then of the newest heartbeat.
+    pub last_alive_ns: i64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,8 +114,10 @@ impl State {
         if queue.holds(&item.id) || queue.queued.len() >= QUEUED_ITEMS_MAX {
             return None;
         }
+        let mut item = item;
         let reason = item.reason;
-        queue.queued.push_back(item);
+        item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
+        self.queues.entry_or_default(agent.to_owned()).queued.push_back(item);
         Some(reason)
     }
 
@@ -256,6 +265,7 @@ impl State {
                 plan: plan.clone(),
                 claimed_seq: at.seq,
                 started_seq: None,
+                last_alive_ns: at.at_ns,
             });
             return Verdict::Claim(ClaimVerdict::Claimed(Box::new(ClaimedWake {
                 item,
@@ -319,8 +329,71 @@ impl State {
         }
         if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
             active.started_seq = Some(at.seq);
+            active.last_alive_ns = at.at_ns;
         }
-        Verdict::Started { item_id: request.item_id.clone() }
+        let coalesced = self.coalesce(at, &agent);
+        Verdict::Started { item_id: request.item_id.clone(), coalesced }
+    }
+
+    /// Settles queued items whose trigger rows the agent's cursors now cover (derived settles),
+    /// except items resuming after a restart.
+    fn coalesce(&mut self, at: LogPosition, agent: &str) -> Vec<String> {
+        let Some(queue) = self.queues.get(&agent.to_owned()) else { return Vec::new() };
+        let covered: Vec<String> = queue
+            .queued
+            .iter()
+            .filter(|item| {
+                !item.resume_after_restart
+                    && self.cursor(agent, &item.trigger_surface).is_some_and(|c| c >= item.trigger.ordinal)
+            })
+            .map(|item| item.id.clone())
+            .collect();
+        if covered.is_empty() {
+            return covered;
+        }
+        if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
+            queue.queued.retain(|item| !covered.contains(&item.id));
+        }
+        for id in &covered {
+            self.remember_settled(at, agent, id);
+        }
+        covered
+    }
+
+    pub(crate) fn record_heartbeat(&mut self, at: LogPosition, request: &proto::WakeHeartbeat) -> Verdict {
+        let active = self.queues.get_mut(&request.agent_id).and_then(|q| q.active.as_mut());
+        match active {
+            Some(active)
+                if active.item.id == request.item_id
+                    && active.worker == request.worker_id
+                    && active.started_seq.is_some() =>
+            {
+                active.last_alive_ns = at.at_ns;
+                Verdict::HeartbeatRecorded
+            }
+            _ => refused(RefusalKind::FailedPrecondition, "that item is not running for this worker"),
+        }
+    }
+
+    /// Re-queues a running wake whose last sign of life is older than
+    /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies.
+    pub(crate) fn recover_wake(&mut self, at: LogPosition, request: &proto::WakeRecoveryRequested) -> Verdict {
+        let Some(queue) = self.queues.get(&request.agent_id) else {
+            return refused(RefusalKind::FailedPrecondition, "the agent has no running wake");
+        };
+        match &queue.active {
+            Some(active) if active.item.id == request.item_id && active.started_seq.is_some() => {
+                if at.at_ns.saturating_sub(active.last_alive_ns) < HEARTBEAT_SILENCE_NS {
+                    return refused(RefusalKind::Aborted, "the wake's heartbeat is recent; not recovered");
+                }
+            }
+            _ => return refused(RefusalKind::FailedPrecondition, "that item is not running"),
+        }
+        let queue = self.queues.get_mut(&request.agent_id).expect("checked above");
+        let mut item = queue.active.take().expect("checked above").item;
+        item.resume_after_restart = true;
+        queue.queued.push_front(item);
+        Verdict::Recovered { item_id: request.item_id.clone() }
     }
 
     pub(crate) fn finish_wake(&mut self, at: LogPosition, request: &proto::WakeFinishRequested) -> Verdict {

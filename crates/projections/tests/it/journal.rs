@@ -54,7 +54,7 @@ fn ordinals_are_dense_in_log_order_not_ts_order() {
         &[agent("anna", "UANNA", "BANNA"), human("C1", 5, "five"), human("C1", 3, "three"), human("C1", 4, "four")],
         human("C1", 1, "one"),
         expect![[r#"
-            journaled on slack:T1:C1 as #4 (delivered to anna), wake: none
+            journaled on slack:T1:C1 as #4 (delivered to anna), wake: channel_follow
             --- journals ---
             slack:T1:C1 (tail 4)
               #1 ts 1700000300.000100 user U1 owner - seq 2
@@ -78,7 +78,7 @@ fn the_top_level_and_each_thread_are_separate_sequences() {
         ],
         human("C1", 6, "top level again"),
         expect![[r#"
-            journaled on slack:T1:C1 as #3 (delivered to anna), wake: none
+            journaled on slack:T1:C1 as #3 (delivered to anna), wake: channel_follow
             --- journals ---
             slack:T1:C1 (tail 3)
               #1 ts 1700000060.000100 user U1 owner - seq 2
@@ -99,7 +99,7 @@ fn a_thread_parent_lives_on_the_top_level() {
         &[agent("anna", "UANNA", "BANNA"), human("C1", 1, "blank thread ts").in_thread("  ")],
         human("C1", 2, "I am the parent").in_thread(&ts(2)),
         expect![[r#"
-            journaled on slack:T1:C1 as #2 (delivered to anna), wake: none
+            journaled on slack:T1:C1 as #2 (delivered to anna), wake: channel_follow
             --- journals ---
             slack:T1:C1 (tail 2)
               #1 ts 1700000060.000100 user U1 owner - seq 2
@@ -129,7 +129,7 @@ fn one_message_delivered_to_two_agents_is_one_row() {
         &[agent("anna", "UANNA", "BANNA"), agent("bert", "UBERT", "BBERT"), human("C1", 1, "hello both")],
         human("C1", 1, "hello both").delivered_to("bert"),
         expect![[r#"
-            journaled on slack:T1:C1 as #1, a duplicate of an earlier delivery (delivered to bert), wake: none
+            journaled on slack:T1:C1 as #1, a duplicate of an earlier delivery (delivered to bert), wake: channel_follow
             --- journals ---
             slack:T1:C1 (tail 1)
               #1 ts 1700000060.000100 user U1 owner - seq 3

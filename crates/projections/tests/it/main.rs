@@ -13,4 +13,5 @@ mod journal;
 mod log;
 mod schema;
 mod send_hold;
+mod routing;
 mod wake;

@@ -50,7 +50,10 @@ fn describe_verdict(log: &TestLog, agent: &str, seq: u64) -> String {
             format!("nothing to claim; settled without a turn: {}\n", list(settled_without_turn))
         }
         Verdict::Claim(ClaimVerdict::Claimed(claimed)) => describe_claim(log, agent, claimed),
-        Verdict::Started { item_id } => format!("started {item_id}\n"),
+        Verdict::Started { item_id, coalesced } if coalesced.is_empty() => format!("started {item_id}\n"),
+        Verdict::Started { item_id, coalesced } => {
+            format!("started {item_id}; settled without a turn: {}\n", list(coalesced))
+        }
         Verdict::Finished { item_id, requeued } => {
             format!("finished {item_id}{}\n", if *requeued { ", re-queued" } else { "" })
         }
@@ -720,7 +723,7 @@ fn an_item_whose_trigger_the_cursor_covers_settles_at_claim() {
         &given,
         claim("anna", "w1"),
         expect![[r#"
-            nothing to claim; settled without a turn: slack:T1:D1:1700000120.000100
+            nothing to claim; settled without a turn: -
             --- after ---
             queued: -
             active: none

@@ -1,0 +1,1027 @@
+//! Replay for incident debugging (DESIGN §5 `Replay`, §6) and the fold-backed analytics views.
+//!
+//! Everything here is rebuilt from the log: a [`Replayer`] reads stored events and folds them
+//! into its own [`State`], never touching a live projection. It answers
+//! * [`Replayer::read`]: stored events of a range (sequence or log time), filtered by agent,
+//!   surface or event type, optionally with the verdict the fold recorded for each;
+//! * [`Replayer::rebuild`]: the state as of a sequence or a log time, folded from the start or
+//!   from a snapshot kept from an earlier rebuild at or before that point;
+//! * [`Replayer::explain`]: the facts a decision was made from — the state at `seq − 1` — and
+//!   the verdict the fold records when it applies `seq`;
+//! * [`Replayer::counts`]: content-free counts and derived figures of a range, from redacted
+//!   events and their verdicts;
+//! * [`tap`]: redacted events from a sequence, then live.
+//!
+//! [`DirectSource`] opens a log without a server: an embedded data dir (sled locks it, so only
+//! when no server holds it) or a JetStream stream; it also verifies a checkpoint against a
+//! rebuild ([`DirectSource::verify`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anima_projections::journal::RowMeta;
+use anima_projections::proto::{self, envelope::Payload};
+use anima_projections::redact::{AnalyticsCounts, RedactedEvent, RedactedOutcome, Redactor, TimeBucket};
+use anima_projections::state::{Halt, FOLD_VERSION};
+use anima_projections::surface::SurfaceId;
+use anima_projections::verdict::Verdict;
+use anima_projections::{LogPosition, State};
+use futures::stream::{self, BoxStream, StreamExt};
+use prost::Message;
+use sha2::{Digest, Sha256};
+
+use crate::checkpoint::{FOLD_VERSION_KEY, STATE_PREFIX, STREAM_KEY};
+use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
+use crate::log::{EventLog, LogError, StoredRecord, SubjectFilter};
+use crate::projection::Projection;
+
+/// Errors of replay operations, each saying what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Fix the named field. Maps to `INVALID_ARGUMENT`.
+    #[error("{field}: {reason}")]
+    InvalidArgument { field: &'static str, reason: String },
+    /// Nothing is stored there. Maps to `NOT_FOUND`.
+    #[error("{0}")]
+    NotFound(String),
+    /// The log failed: `Unavailable` may be retried, `Store` is an inconsistent store.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// A running server holds the data dir (sled allows one process). Go through its API, or
+    /// stop it.
+    #[error(
+        "data dir {path} is locked by a running anima-wake (sled allows one process at a time); \
+         go through its API (--api http://127.0.0.1:50051) or stop it"
+    )]
+    Locked { path: String },
+    /// The source cannot be opened as asked (no log there, no checkpoint). Fix the invocation.
+    #[error("{0}")]
+    Source(String),
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ReplayError {
+    ReplayError::InvalidArgument { field, reason: reason.into() }
+}
+
+/// A point in the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogPoint {
+    Seq(u64),
+    /// Unix ns: as a start, the first event at or after it; as an end, the newest at or before.
+    TimeNs(i64),
+}
+
+/// An inclusive range of the log; `None` ends are the first and the newest event.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogRange {
+    pub from: Option<LogPoint>,
+    pub to: Option<LogPoint>,
+}
+
+/// Which events. Empty fields do not filter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EventFilter {
+    /// Events whose payload names the agent (any `*agent_id` field).
+    pub agent: Option<String>,
+    /// Events stored on the surface's subject.
+    pub surface: Option<SurfaceId>,
+    /// Payload names as in `Envelope`.
+    pub event_types: BTreeSet<String>,
+}
+
+impl EventFilter {
+    /// The subject filter the log can apply itself.
+    fn subject_filter(&self) -> Option<SubjectFilter> {
+        self.surface.as_ref().map(|surface| SubjectFilter(crate::command::surface_subject(surface)))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.agent.is_none() && self.surface.is_none() && self.event_types.is_empty()
+    }
+
+    /// Whether a record passes; its event type when it does.
+    fn matches(&self, record: &StoredRecord) -> Option<String> {
+        let redactor = Redactor::schema();
+        if let Some(surface) = &self.surface {
+            if record.subject != crate::command::surface_subject(surface) {
+                return None;
+            }
+        }
+        if let Some(agent) = &self.agent {
+            let redacted = redactor.redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
+            let passes = redacted.names_agent(agent)
+                && (self.event_types.is_empty() || self.event_types.contains(&redacted.event_type));
+            return passes.then_some(redacted.event_type);
+        }
+        let event_type = redactor.event_type(&record.payload);
+        (self.event_types.is_empty() || self.event_types.contains(&event_type)).then_some(event_type)
+    }
+}
+
+/// What to read.
+#[derive(Clone, Debug, Default)]
+pub struct ReadQuery {
+    pub range: LogRange,
+    pub filter: EventFilter,
+    /// Fold from the first event and attach each event's recorded verdict.
+    pub with_verdicts: bool,
+    /// At most this many events.
+    pub limit: Option<u64>,
+}
+
+/// One stored event as replay returns it.
+#[derive(Clone, Debug)]
+pub struct ReplayedEvent {
+    pub record: StoredRecord,
+    pub event_type: String,
+    /// With [`ReadQuery::with_verdicts`]: the verdict the fold recorded (`None`: the event
+    /// records none, e.g. a payload this fold skips, or the fold had stopped).
+    pub verdict: Option<Verdict>,
+}
+
+/// State folded up to a point of the log.
+#[derive(Clone, Debug)]
+pub struct Rebuilt {
+    pub state: State,
+    /// The last sequence folded (0: nothing).
+    pub seq: u64,
+    /// Its log time (0: nothing).
+    pub log_time_ns: i64,
+}
+
+impl Rebuilt {
+    fn empty() -> Self {
+        Rebuilt { state: State::new(), seq: 0, log_time_ns: 0 }
+    }
+
+    /// SHA-256 of the state's canonical encoding, hex.
+    pub fn state_sha256(&self) -> String {
+        hex::encode(Sha256::digest(self.state.canonical_bytes()))
+    }
+}
+
+/// Progress of a long fold, reported every [`ReplayConfig::progress_every_events`].
+#[derive(Clone, Copy, Debug)]
+pub struct ReplayProgress {
+    /// The sequence just folded or read.
+    pub seq: u64,
+    /// Where this run ends.
+    pub to_seq: u64,
+    /// Events handled by this run so far.
+    pub events: u64,
+    pub elapsed: Duration,
+}
+
+pub type ProgressFn = Arc<dyn Fn(ReplayProgress) + Send + Sync>;
+
+#[derive(Clone)]
+pub struct ReplayConfig {
+    /// Report progress every this many events (if a reporter is set).
+    pub progress_every_events: u64,
+    /// Rebuilt states kept to start later rebuilds from (each is a full copy of the state).
+    pub snapshots_kept_max: usize,
+    /// Forget the fold's change tracking every this many events: it exists for checkpoints, and
+    /// unbounded it would grow with every key a long rebuild touched.
+    pub change_tracking_events_max: u64,
+    pub progress: Option<ProgressFn>,
+}
+
+impl Default for ReplayConfig {
+    fn default() -> Self {
+        ReplayConfig {
+            progress_every_events: 100_000,
+            snapshots_kept_max: 4,
+            change_tracking_events_max: 65_536,
+            progress: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ReplayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplayConfig")
+            .field("progress_every_events", &self.progress_every_events)
+            .field("snapshots_kept_max", &self.snapshots_kept_max)
+            .field("change_tracking_events_max", &self.change_tracking_events_max)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Facts about one agent's cursor on one surface, before a decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CursorFacts {
+    pub agent: String,
+    pub surface: SurfaceId,
+    pub cursor: Option<u64>,
+    pub tail: u64,
+    /// Rows after the cursor that the fold still keeps, oldest first.
+    pub rows_after_cursor: Vec<RowMeta>,
+    /// Of those, written by someone other than the agent.
+    pub foreign_rows_after_cursor: u64,
+}
+
+/// Why the fold decided what it did at one sequence.
+#[derive(Clone, Debug)]
+pub struct Explanation {
+    pub record: StoredRecord,
+    pub event_type: String,
+    /// The verdict the fold records for it (`None`: none recorded).
+    pub verdict: Option<Verdict>,
+    /// One sentence per fact, in the order the fold checks them.
+    pub facts: Vec<String>,
+    /// For sends: the cursor and the rows after it.
+    pub cursor: Option<CursorFacts>,
+    /// The fold had stopped deciding before this event.
+    pub halted: Option<Halt>,
+}
+
+/// Reads and rebuilds from one log. Cheap to share; rebuilds run one at a time per call.
+pub struct Replayer {
+    log: Arc<dyn EventLog>,
+    config: ReplayConfig,
+    /// Rebuilt states by the sequence they were folded to.
+    snapshots: Mutex<BTreeMap<u64, Arc<Rebuilt>>>,
+}
+
+impl std::fmt::Debug for Replayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replayer").field("log", &self.log.identity()).finish_non_exhaustive()
+    }
+}
+
+impl Replayer {
+    pub fn new(log: Arc<dyn EventLog>, config: ReplayConfig) -> Self {
+        Replayer { log, config, snapshots: Mutex::new(BTreeMap::new()) }
+    }
+
+    pub fn log(&self) -> &Arc<dyn EventLog> {
+        &self.log
+    }
+
+    /// The inclusive sequence range `range` covers now. `from > to` means empty.
+    pub async fn resolve(&self, range: LogRange) -> Result<(u64, u64), ReplayError> {
+        let last = self.log.last_seq().await?;
+        let from = match range.from {
+            None => 1,
+            Some(LogPoint::Seq(seq)) => seq.max(1),
+            Some(LogPoint::TimeNs(t)) => self.first_at_or_after(t, last).await?,
+        };
+        let to = match range.to {
+            None => last,
+            Some(LogPoint::Seq(seq)) => seq.min(last),
+            Some(LogPoint::TimeNs(t)) => self.first_at_or_after(t.saturating_add(1), last).await? - 1,
+        };
+        Ok((from, to))
+    }
+
+    /// The sequence a state point means: the newest event at or before it. A sequence beyond
+    /// the newest event is refused rather than silently clamped.
+    pub async fn resolve_point(&self, at: Option<LogPoint>) -> Result<u64, ReplayError> {
+        let last = self.log.last_seq().await?;
+        match at {
+            None => Ok(last),
+            Some(LogPoint::Seq(seq)) if seq > last => {
+                Err(invalid("at.seq", format!("seq {seq} is beyond the newest event {last}")))
+            }
+            Some(LogPoint::Seq(seq)) => Ok(seq),
+            Some(LogPoint::TimeNs(t)) => Ok(self.first_at_or_after(t.saturating_add(1), last).await? - 1),
+        }
+    }
+
+    /// The first sequence whose log time is at or after `t` (`last + 1` when none), by binary
+    /// search: log times grow with sequences (the embedded log makes them monotonic; JetStream
+    /// stamps in order on the stream leader).
+    async fn first_at_or_after(&self, t: i64, last: u64) -> Result<u64, ReplayError> {
+        let (mut low, mut high) = (1u64, last + 1);
+        while low < high {
+            let middle = low + (high - low) / 2;
+            match self.time_at_or_after(middle, high - 1).await? {
+                Some((seq, time)) if time >= t => high = middle.min(seq),
+                Some((seq, _)) => low = seq + 1,
+                None => high = middle,
+            }
+        }
+        Ok(low)
+    }
+
+    /// The first stored event at or after `seq` (up to `bound`) and its log time: sequences
+    /// may have gaps where JetStream deleted messages.
+    async fn time_at_or_after(&self, seq: u64, bound: u64) -> Result<Option<(u64, i64)>, ReplayError> {
+        if let Some(record) = self.log.get(seq).await? {
+            return Ok(Some((record.seq, record.timestamp_ns)));
+        }
+        let mut records = self.log.read(seq, bound, None).await?;
+        match records.next().await {
+            Some(record) => {
+                let record = record?;
+                Ok(Some((record.seq, record.timestamp_ns)))
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn report(&self, started: Instant, events: u64, seq: u64, to_seq: u64) {
+        if let Some(progress) = &self.config.progress {
+            if events % self.config.progress_every_events.max(1) == 0 {
+                progress(ReplayProgress { seq, to_seq, events, elapsed: started.elapsed() });
+            }
+        }
+    }
+
+    /// Stored events of a range, filtered, in log order.
+    pub async fn read(
+        &self,
+        query: ReadQuery,
+    ) -> Result<BoxStream<'static, Result<ReplayedEvent, ReplayError>>, ReplayError> {
+        let (from, to) = self.resolve(query.range).await?;
+        if from > to || query.limit == Some(0) {
+            return Ok(stream::empty().boxed());
+        }
+        // With verdicts, start from the best snapshot before the range and fold every subject.
+        let (fold, read_from, subject) = if query.with_verdicts {
+            let start = self.rebuild_to(from - 1, false).await?;
+            let next = start.seq + 1;
+            (Some(start), next, None)
+        } else {
+            (None, from, query.filter.subject_filter())
+        };
+        let records = self.log.read(read_from, to, subject).await?;
+        let cursor = ReadCursor {
+            records,
+            fold,
+            from,
+            to,
+            filter: query.filter,
+            remaining: query.limit,
+            done: false,
+            progress: self.config.progress.clone(),
+            progress_every_events: self.config.progress_every_events.max(1),
+            change_tracking_events_max: self.config.change_tracking_events_max.max(1),
+            events: 0,
+            started: Instant::now(),
+        };
+        Ok(stream::unfold(cursor, |mut cursor| async move {
+            let item = cursor.next().await?;
+            Some((item, cursor))
+        })
+        .boxed())
+    }
+
+    /// The state as of `at` (the newest event at or before it; `None`: the newest event).
+    pub async fn rebuild(&self, at: Option<LogPoint>) -> Result<Rebuilt, ReplayError> {
+        let seq = self.resolve_point(at).await?;
+        self.rebuild_to(seq, false).await
+    }
+
+    /// Folds up to `seq`, from the newest snapshot at or before it. With `track_changes` the
+    /// state keeps every key it touched as changed (for [`DirectSource::verify`]); that needs a
+    /// fold from the start.
+    async fn rebuild_to(&self, seq: u64, track_changes: bool) -> Result<Rebuilt, ReplayError> {
+        let start = if track_changes {
+            Rebuilt::empty()
+        } else {
+            let snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            match snapshots.range(..=seq).next_back() {
+                Some((_, snapshot)) => Rebuilt::clone(snapshot),
+                None => Rebuilt::empty(),
+            }
+        };
+        if start.seq == seq {
+            return Ok(start);
+        }
+        let rebuilt = self.fold(start, seq, track_changes, |_, _| {}).await?;
+        if !track_changes && seq > 0 && self.config.snapshots_kept_max > 0 {
+            let mut snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            snapshots.insert(seq, Arc::new(rebuilt.clone()));
+            while snapshots.len() > self.config.snapshots_kept_max {
+                // Keep the spread: forget the snapshot closest to its older neighbour.
+                let keys: Vec<u64> = snapshots.keys().copied().collect();
+                let closest = keys.windows(2).min_by_key(|pair| pair[1] - pair[0]).map(|pair| pair[1]);
+                match closest {
+                    Some(key) => snapshots.remove(&key),
+                    None => snapshots.pop_first().map(|(_, s)| s),
+                };
+            }
+        }
+        Ok(rebuilt)
+    }
+
+    /// Folds the events after `start.seq` up to `to`, calling `visit` after each is applied.
+    async fn fold(
+        &self,
+        mut rebuilt: Rebuilt,
+        to: u64,
+        track_changes: bool,
+        mut visit: impl FnMut(&StoredRecord, &State) + Send,
+    ) -> Result<Rebuilt, ReplayError> {
+        let started = Instant::now();
+        let mut records = self.log.read(rebuilt.seq + 1, to, None).await?;
+        let mut events = 0u64;
+        while let Some(record) = records.next().await {
+            let record = record?;
+            rebuilt.state.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+            rebuilt.seq = record.seq;
+            rebuilt.log_time_ns = record.timestamp_ns;
+            visit(&record, &rebuilt.state);
+            events += 1;
+            if !track_changes && events % self.config.change_tracking_events_max.max(1) == 0 {
+                rebuilt.state.drain_changes();
+            }
+            self.report(started, events, record.seq, to);
+        }
+        if !track_changes {
+            rebuilt.state.drain_changes();
+        }
+        // The last events may have been gaps: the state is as of `to` all the same.
+        if rebuilt.seq < to {
+            rebuilt.seq = to;
+        }
+        Ok(rebuilt)
+    }
+
+    /// The facts of the decision at `seq`: the state at `seq − 1` and the verdict the fold
+    /// records when it applies `seq`.
+    pub async fn explain(&self, seq: u64) -> Result<Explanation, ReplayError> {
+        if seq == 0 {
+            return Err(invalid("seq", "sequences start at 1"));
+        }
+        let record =
+            self.log.get(seq).await?.ok_or_else(|| ReplayError::NotFound(format!("no event is stored at seq {seq}")))?;
+        let mut before = self.rebuild_to(seq - 1, false).await?;
+        let event_type = Redactor::schema().event_type(&record.payload);
+        let mut explanation = Explanation {
+            record: record.clone(),
+            event_type,
+            verdict: None,
+            facts: Vec::new(),
+            cursor: None,
+            halted: before.state.meta.halted.clone(),
+        };
+        if let Some(halt) = &explanation.halted {
+            explanation.facts.push(format!(
+                "the fold stopped deciding at seq {} ({}); nothing after it is decided",
+                halt.seq, halt.reason
+            ));
+        }
+        match proto::Envelope::decode(record.payload.as_ref()) {
+            Ok(envelope) => explain_payload(&before.state, &envelope, &mut explanation),
+            Err(e) => explanation.facts.push(format!("the event does not decode ({e}): the fold stops here")),
+        }
+        before.state.apply_bytes(LogPosition { seq, at_ns: record.timestamp_ns }, &record.payload);
+        explanation.verdict = before.state.verdict(seq).cloned();
+        Ok(explanation)
+    }
+
+    /// Counts and derived figures of the events of `range`, from their redacted views and the
+    /// verdicts of a fold (content-free), with the sequence range they cover.
+    pub async fn counts(
+        &self,
+        range: LogRange,
+        bucket: TimeBucket,
+    ) -> Result<(u64, u64, AnalyticsCounts), ReplayError> {
+        let (from, to) = self.resolve(range).await?;
+        let mut counts = AnalyticsCounts::new(bucket);
+        if from > to {
+            return Ok((from, to, counts));
+        }
+        let start = self.rebuild_to(from - 1, false).await?;
+        let redactor = Redactor::schema();
+        self.fold(start, to, false, |record, state| {
+            let mut event = redactor.redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
+            event.outcome = state.verdict(record.seq).map(RedactedOutcome::of);
+            counts.observe(&event);
+        })
+        .await?;
+        Ok((from, to, counts))
+    }
+}
+
+/// The state of one `read` stream.
+struct ReadCursor {
+    records: BoxStream<'static, Result<StoredRecord, LogError>>,
+    fold: Option<Rebuilt>,
+    from: u64,
+    to: u64,
+    filter: EventFilter,
+    remaining: Option<u64>,
+    done: bool,
+    progress: Option<ProgressFn>,
+    progress_every_events: u64,
+    change_tracking_events_max: u64,
+    events: u64,
+    started: Instant,
+}
+
+impl ReadCursor {
+    async fn next(&mut self) -> Option<Result<ReplayedEvent, ReplayError>> {
+        loop {
+            if self.done || self.remaining == Some(0) {
+                return None;
+            }
+            let record = match self.records.next().await {
+                None => return None,
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Some(Err(e.into()));
+                }
+                Some(Ok(record)) if record.seq > self.to => return None,
+                Some(Ok(record)) => record,
+            };
+            self.events += 1;
+            if let Some(progress) = &self.progress {
+                if self.events % self.progress_every_events == 0 {
+                    progress(ReplayProgress {
+                        seq: record.seq,
+                        to_seq: self.to,
+                        events: self.events,
+                        elapsed: self.started.elapsed(),
+                    });
+                }
+            }
+            if let Some(fold) = &mut self.fold {
+                fold.state.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+                fold.seq = record.seq;
+                if self.events % self.change_tracking_events_max == 0 {
+                    fold.state.drain_changes();
+                }
+            }
+            if record.seq < self.from {
+                continue;
+            }
+            let Some(event_type) = self.filter.matches(&record) else { continue };
+            let verdict = self.fold.as_ref().and_then(|fold| fold.state.verdict(record.seq).cloned());
+            if let Some(remaining) = &mut self.remaining {
+                *remaining -= 1;
+            }
+            return Some(Ok(ReplayedEvent { record, event_type, verdict }));
+        }
+    }
+}
+
+/// The facts of one payload's decision, from the state before it.
+fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut Explanation) {
+    let facts = &mut explanation.facts;
+    match envelope.payload.as_ref() {
+        Some(Payload::Send(request)) => {
+            let agent = request.agent_id.as_str();
+            if !state.agents.contains_key(&request.agent_id) {
+                facts.push(format!("agent {agent:?} is not registered: the request is refused"));
+                return;
+            }
+            let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) else {
+                facts.push("the request names no target: it is refused".to_owned());
+                return;
+            };
+            let cursor = cursor_facts(state, agent, &surface);
+            match cursor.cursor {
+                None => facts.push(format!(
+                    "{agent} has no cursor on {surface}: a send there is allowed without looking at rows"
+                )),
+                Some(at) => {
+                    facts.push(format!("{agent}'s cursor on {surface} is {at}; the surface's tail is {}", cursor.tail));
+                    let after = cursor.tail.saturating_sub(at);
+                    let kept = cursor.rows_after_cursor.len() as u64;
+                    if after > kept {
+                        facts.push(format!(
+                            "{after} rows are after the cursor; the fold keeps the metadata of the newest {kept}"
+                        ));
+                    }
+                    let last_foreign = state.journal(&surface).map_or(0, |j| j.last_foreign_ordinal(agent));
+                    if last_foreign > at {
+                        let foreign: Vec<String> = cursor
+                            .rows_after_cursor
+                            .iter()
+                            .filter(|row| !row.is_own(agent))
+                            .map(|row| format!("#{} (seq {}, {})", row.ordinal, row.seq, author(row)))
+                            .collect();
+                        facts.push(format!(
+                            "the newest foreign row is #{last_foreign}, after the cursor: foreign rows after it: {}",
+                            foreign.join(", ")
+                        ));
+                        facts.push(format!("so the send is held and the cursor passes the tail {}", cursor.tail));
+                    } else if after > 0 {
+                        facts.push(format!(
+                            "the {after} rows after the cursor are {agent}'s own: the send is allowed and the \
+                             cursor passes them"
+                        ));
+                    } else {
+                        facts.push("no row is after the cursor: the send is allowed".to_owned());
+                    }
+                }
+            }
+            explanation.cursor = Some(cursor);
+        }
+        Some(Payload::WakeStart(request)) => {
+            let agent = request.agent_id.as_str();
+            match state.queue(agent).and_then(|q| q.active.as_ref()) {
+                None => facts.push(format!("{agent} has no claimed wake: the start is refused")),
+                Some(active) => {
+                    facts.push(format!(
+                        "{agent}'s active wake is {} by worker {} (claimed at seq {}{})",
+                        active.item.id,
+                        active.worker,
+                        active.claimed_seq,
+                        active.started_seq.map(|s| format!(", started at seq {s}")).unwrap_or_default()
+                    ));
+                    if active.item.id != request.item_id || active.worker != request.worker_id {
+                        facts.push(format!(
+                            "the request names item {} by worker {}: not the claimed one",
+                            request.item_id, request.worker_id
+                        ));
+                    }
+                }
+            }
+            for entry in &request.plan {
+                let Some(surface) = SurfaceId::parse(&entry.surface) else {
+                    facts.push(format!("plan surface {:?} is not a surface key", entry.surface));
+                    continue;
+                };
+                let expected = entry.expected_present.then_some(entry.expected_ordinal);
+                let actual = state.cursor(agent, &surface);
+                let tail = state.journal(&surface).map_or(0, |j| j.tail);
+                if expected == actual {
+                    facts.push(format!(
+                        "{surface}: the plan expected cursor {}, and it still was (tail {tail}); the start moves \
+                         it to {}",
+                        describe(expected),
+                        entry.target_ordinal
+                    ));
+                } else {
+                    facts.push(format!(
+                        "{surface}: the plan expected cursor {}, but it had moved to {}: the plan is stale",
+                        describe(expected),
+                        describe(actual)
+                    ));
+                }
+            }
+        }
+        Some(Payload::WakeClaim(request)) => {
+            let agent = request.agent_id.as_str();
+            let Some(queue) = state.queue(agent) else {
+                facts.push(format!("{agent} has no queue: nothing to claim"));
+                return;
+            };
+            if let Some(active) = &queue.active {
+                facts.push(format!("{agent} already has an active wake {}: the claim loses", active.item.id));
+                return;
+            }
+            facts.push(format!("{} wakes are queued for {agent}", queue.queued.len()));
+            for item in &queue.queued {
+                if !request.item_id.is_empty() && item.id != request.item_id {
+                    continue;
+                }
+                let cursor = state.cursor(agent, &item.trigger_surface);
+                let covered = cursor.is_some_and(|c| c >= item.trigger.ordinal);
+                if covered && !item.resume_after_restart {
+                    facts.push(format!(
+                        "{} ({}): its trigger #{} on {} is covered by the cursor {}: settled without a turn",
+                        item.id,
+                        item.reason.as_str(),
+                        item.trigger.ordinal,
+                        item.trigger_surface,
+                        describe(cursor)
+                    ));
+                } else {
+                    facts.push(format!(
+                        "{} ({}): its trigger #{} on {} is after the cursor {}{}: claimed",
+                        item.id,
+                        item.reason.as_str(),
+                        item.trigger.ordinal,
+                        item.trigger_surface,
+                        describe(cursor),
+                        if item.resume_after_restart { " (or it resumes after a restart)" } else { "" }
+                    ));
+                    break;
+                }
+            }
+        }
+        Some(Payload::WakeFinish(request)) => {
+            let agent = request.agent_id.as_str();
+            match state.queue(agent).and_then(|q| q.active.as_ref()) {
+                None => facts.push(format!("{agent} has no claimed or running wake: the finish is refused")),
+                Some(active) => facts.push(format!(
+                    "{agent}'s active wake is {} by worker {}; the finish names {} by {}",
+                    active.item.id, active.worker, request.item_id, request.worker_id
+                )),
+            }
+        }
+        Some(Payload::SlackMessage(message)) => {
+            let surface =
+                SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
+            let tail = state.journal(&surface).map_or(0, |j| j.tail);
+            facts.push(format!(
+                "delivered to {} on {surface} (tail {tail}); the agent's cursor there is {}",
+                message.receiving_agent_id,
+                describe(state.cursor(&message.receiving_agent_id, &surface))
+            ));
+        }
+        _ => {}
+    }
+}
+
+fn describe(cursor: Option<u64>) -> String {
+    cursor.map_or_else(|| "absent".to_owned(), |c| c.to_string())
+}
+
+fn author(row: &RowMeta) -> String {
+    match (&row.owner, row.user_id.is_empty()) {
+        (Some(owner), _) => format!("agent {owner}"),
+        (None, false) => format!("user {}", row.user_id),
+        (None, true) => format!("bot {}", row.bot_id),
+    }
+}
+
+/// The cursor of `agent` on `surface` and the rows after it.
+pub fn cursor_facts(state: &State, agent: &str, surface: &SurfaceId) -> CursorFacts {
+    let cursor = state.cursor(agent, surface);
+    let journal = state.journal(surface);
+    let tail = journal.map_or(0, |j| j.tail);
+    let rows_after_cursor: Vec<RowMeta> = match (journal, cursor) {
+        (Some(journal), Some(at)) => journal.recent.iter().filter(|row| row.ordinal > at).cloned().collect(),
+        _ => Vec::new(),
+    };
+    let foreign = rows_after_cursor.iter().filter(|row| !row.is_own(agent)).count() as u64;
+    CursorFacts {
+        agent: agent.to_owned(),
+        surface: surface.clone(),
+        cursor,
+        tail,
+        rows_after_cursor,
+        foreign_rows_after_cursor: foreign,
+    }
+}
+
+/// How long [`tap`] waits for the live fold to record an event's verdict before sending the
+/// event without it.
+pub const TAP_VERDICT_WAIT: Duration = Duration::from_secs(2);
+
+/// Redacted events from `from_seq`, then live: the stream ends only when the log's follow
+/// stream does (or the caller drops it). With a live `projection`, each event carries the
+/// outcome the live fold recorded, while it still keeps it.
+pub async fn tap(
+    log: Arc<dyn EventLog>,
+    projection: Option<Arc<Projection>>,
+    from_seq: u64,
+    event_types: BTreeSet<String>,
+) -> Result<BoxStream<'static, Result<RedactedEvent, ReplayError>>, ReplayError> {
+    let records = log.follow(from_seq.max(1), None).await?;
+    let events = records
+        .filter_map(move |record| {
+            let keep = match &record {
+                Ok(record) => {
+                    let redactor = Redactor::schema();
+                    event_types.is_empty() || event_types.contains(&redactor.event_type(&record.payload))
+                }
+                Err(_) => true,
+            };
+            futures::future::ready(keep.then_some(record))
+        })
+        .then(move |record| {
+            let projection = projection.clone();
+            async move {
+                let record = record?;
+                let mut event =
+                    Redactor::schema().redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
+                if let Some(projection) = projection {
+                    if projection.wait_applied(record.seq, TAP_VERDICT_WAIT).await.is_ok() {
+                        event.outcome = projection.state().verdict(record.seq).map(RedactedOutcome::of);
+                    }
+                }
+                Ok(event)
+            }
+        });
+    Ok(events.boxed())
+}
+
+/// Name of the checkpoint tree of the embedded log in a data dir.
+pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
+
+/// Name of the checkpoint tree of a JetStream stream in a data dir.
+pub fn jetstream_checkpoint_tree(stream: &str) -> String {
+    format!("checkpoint-jetstream-{stream}")
+}
+
+/// A log opened directly, without a server, and the data dir holding its checkpoint (if any).
+pub struct DirectSource {
+    pub log: Arc<dyn EventLog>,
+    /// What was opened, for the operator ("embedded log in ./data", "JetStream stream ANIMA at ...").
+    pub description: String,
+    checkpoint: Option<(sled::Db, String)>,
+}
+
+impl std::fmt::Debug for DirectSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectSource").field("description", &self.description).finish_non_exhaustive()
+    }
+}
+
+/// Opens the sled database of a data dir without creating one.
+fn open_data_dir_db(path: &Path) -> Result<sled::Db, ReplayError> {
+    if !path.join("db").exists() {
+        return Err(ReplayError::Source(format!("{} holds no anima-wake data (no sled database)", path.display())));
+    }
+    sled::Config::new().path(path).open().map_err(|e| {
+        let message = e.to_string();
+        if message.contains("could not acquire lock") {
+            ReplayError::Locked { path: path.display().to_string() }
+        } else {
+            ReplayError::Source(format!("opening data dir {}: {message}", path.display()))
+        }
+    })
+}
+
+impl DirectSource {
+    /// The embedded log of a data dir. Refused with [`ReplayError::Locked`] while a server
+    /// holds it. Never creates a log: a data dir without one is an error.
+    pub fn open_data_dir(path: impl Into<PathBuf>) -> Result<DirectSource, ReplayError> {
+        let path = path.into();
+        let db = open_data_dir_db(&path)?;
+        if !db.tree_names().iter().any(|name| name.as_ref() == b"log") {
+            return Err(ReplayError::Source(format!(
+                "{} has no embedded log (was it served with --nats? then replay with --nats)",
+                path.display()
+            )));
+        }
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default())?;
+        Ok(DirectSource {
+            log: Arc::new(log),
+            description: format!("embedded log in {} (read directly)", path.display()),
+            checkpoint: Some((db, EMBEDDED_CHECKPOINT_TREE.to_owned())),
+        })
+    }
+
+    /// A JetStream stream, read directly; `data_dir` (optional) holds its checkpoint for
+    /// `verify`. Refuses a missing stream instead of creating it.
+    pub async fn open_jetstream(
+        config: JetStreamConfig,
+        data_dir: Option<&Path>,
+    ) -> Result<DirectSource, ReplayError> {
+        let client = async_nats::ConnectOptions::new()
+            .name("anima-wake-replay")
+            .connection_timeout(config.request_timeout)
+            .connect(config.url.as_str())
+            .await
+            .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))?;
+        let context = async_nats::jetstream::new(client);
+        if let Err(e) = context.get_stream(&config.stream).await {
+            return Err(ReplayError::Source(format!("no JetStream stream {} at {}: {e}", config.stream, config.url)));
+        }
+        let checkpoint = match data_dir {
+            Some(path) if path.join("db").exists() => {
+                Some((open_data_dir_db(path)?, jetstream_checkpoint_tree(&config.stream)))
+            }
+            _ => None,
+        };
+        let description = format!("JetStream stream {} at {} (read directly)", config.stream, config.url);
+        let log = JetStreamLog::connect(config).await?;
+        Ok(DirectSource { log: Arc::new(log), description, checkpoint })
+    }
+
+    /// Rebuilds the state from the log up to the checkpoint's applied sequence and compares
+    /// it, entry by entry and as canonical bytes, with the checkpoint in the data dir.
+    pub async fn verify(&self, config: ReplayConfig) -> Result<VerifyReport, ReplayError> {
+        let (db, tree_name) = self.checkpoint.as_ref().ok_or_else(|| {
+            ReplayError::Source("no data dir with a checkpoint was opened (pass --data)".to_owned())
+        })?;
+        if !db.tree_names().iter().any(|name| name.as_ref() == tree_name.as_bytes()) {
+            return Err(ReplayError::Source(format!("the data dir has no checkpoint tree {tree_name}")));
+        }
+        let tree = db.open_tree(tree_name).map_err(|e| ReplayError::Source(format!("checkpoint tree: {e}")))?;
+        let sled_error = |e: sled::Error| ReplayError::Source(format!("reading checkpoint tree {tree_name}: {e}"));
+        let fold_version = tree
+            .get(FOLD_VERSION_KEY)
+            .map_err(sled_error)?
+            .and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok())
+            .map(u32::from_be_bytes);
+        let stream = tree.get(STREAM_KEY).map_err(sled_error)?.map(|v| String::from_utf8_lossy(&v).into_owned());
+        if fold_version != Some(FOLD_VERSION) {
+            return Err(ReplayError::Source(format!(
+                "the checkpoint was taken by fold version {} and this build folds version {FOLD_VERSION}: a \
+                 server would discard it and rebuild, so there is nothing to compare",
+                fold_version.map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+            )));
+        }
+        let identity = self.log.identity();
+        if stream.as_deref() != Some(identity.as_str()) {
+            return Err(ReplayError::Source(format!(
+                "the checkpoint was taken on stream {} and this log is {identity}: a server would discard it",
+                stream.unwrap_or_else(|| "unknown".to_owned())
+            )));
+        }
+        let mut checkpoint: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for entry in tree.scan_prefix([STATE_PREFIX]) {
+            let (key, value) = entry.map_err(sled_error)?;
+            checkpoint.insert(key[1..].to_vec(), value.to_vec());
+        }
+        let mut checkpointed = State::new();
+        for (key, value) in &checkpoint {
+            if let Err(e) = checkpointed.load_entry(key, value) {
+                return Ok(VerifyReport {
+                    applied_seq: 0,
+                    entries: checkpoint.len() as u64,
+                    canonical_equal: false,
+                    checkpoint_sha256: String::new(),
+                    rebuilt_sha256: String::new(),
+                    first_difference: Some(KeyDifference {
+                        table: e.table.to_owned(),
+                        key: escape(key),
+                        checkpoint_bytes: Some(value.len() as u64),
+                        rebuilt_bytes: None,
+                        first_differing_byte: None,
+                        note: format!("the checkpoint entry does not decode: {}", e.reason),
+                    }),
+                });
+            }
+        }
+        let applied_seq = checkpointed.meta.applied_seq;
+        let replayer = Replayer::new(self.log.clone(), config);
+        let last = self.log.last_seq().await?;
+        if applied_seq > last {
+            return Err(ReplayError::Source(format!(
+                "the checkpoint says seq {applied_seq} was applied, but the log ends at {last}"
+            )));
+        }
+        let mut rebuilt = replayer.rebuild_to(applied_seq, true).await?;
+        let rebuilt_entries: BTreeMap<Vec<u8>, Vec<u8>> =
+            rebuilt.state.drain_changes().into_iter().filter_map(|(key, value)| Some((key, value?))).collect();
+        let rebuilt_bytes = rebuilt.state.canonical_bytes();
+        let checkpoint_bytes = checkpointed.canonical_bytes();
+        let keys: BTreeSet<&Vec<u8>> = checkpoint.keys().chain(rebuilt_entries.keys()).collect();
+        let first_difference = keys.into_iter().find_map(|key| {
+            let (left, right) = (checkpoint.get(key), rebuilt_entries.get(key));
+            (left != right).then(|| KeyDifference {
+                table: table_name(key),
+                key: escape(key),
+                checkpoint_bytes: left.map(|v| v.len() as u64),
+                rebuilt_bytes: right.map(|v| v.len() as u64),
+                first_differing_byte: match (left, right) {
+                    (Some(l), Some(r)) => {
+                        Some(l.iter().zip(r).position(|(a, b)| a != b).unwrap_or(l.len().min(r.len())) as u64)
+                    }
+                    _ => None,
+                },
+                note: match (left, right) {
+                    (Some(_), None) => "only in the checkpoint".to_owned(),
+                    (None, Some(_)) => "missing from the checkpoint".to_owned(),
+                    _ => "values differ".to_owned(),
+                },
+            })
+        });
+        Ok(VerifyReport {
+            applied_seq,
+            entries: checkpoint.len() as u64,
+            canonical_equal: rebuilt_bytes == checkpoint_bytes,
+            checkpoint_sha256: hex::encode(Sha256::digest(&checkpoint_bytes)),
+            rebuilt_sha256: hex::encode(Sha256::digest(&rebuilt_bytes)),
+            first_difference,
+        })
+    }
+}
+
+/// The outcome of [`DirectSource::verify`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// The checkpoint's applied sequence: the rebuild folded up to it.
+    pub applied_seq: u64,
+    /// Entries in the checkpoint.
+    pub entries: u64,
+    pub canonical_equal: bool,
+    pub checkpoint_sha256: String,
+    pub rebuilt_sha256: String,
+    /// The first key (in key-byte order) whose entry differs.
+    pub first_difference: Option<KeyDifference>,
+}
+
+impl VerifyReport {
+    pub fn passed(&self) -> bool {
+        self.canonical_equal && self.first_difference.is_none()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyDifference {
+    /// The state table the key belongs to ("cursors", "journals", "meta", ...).
+    pub table: String,
+    /// The key, tag byte first, with non-printable bytes escaped.
+    pub key: String,
+    pub checkpoint_bytes: Option<u64>,
+    pub rebuilt_bytes: Option<u64>,
+    pub first_differing_byte: Option<u64>,
+    pub note: String,
+}
+
+/// The table a checkpoint key belongs to, named by the state itself: loading the key with an
+/// empty value fails, naming the table.
+fn table_name(key: &[u8]) -> String {
+    match State::new().load_entry(key, &[]) {
+        Err(e) if e.table != "?" => e.table.to_owned(),
+        _ => format!("table tag {}", key.first().copied().unwrap_or_default()),
+    }
+}
+
+fn escape(bytes: &[u8]) -> String {
+    bytes.escape_ascii().to_string()
+}

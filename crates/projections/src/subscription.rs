@@ -1,0 +1,324 @@
+//! Subscriptions and routing (DESIGN §4.4, §4.9): what wakes an agent, what it follows and has
+//! muted, and the attention counters behind mute suggestions. All derived by the fold from the
+//! observation itself, in the same step that journals it.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::fold::refused;
+use crate::journal::RowMeta;
+use crate::proto;
+use crate::state::{LogPosition, State};
+use crate::surface::SurfaceId;
+use crate::verdict::{RefusalKind, Verdict};
+use crate::wake::WakeReason;
+
+const MINUTE_NS: i64 = 60 * 1_000_000_000;
+const HOUR_NS: i64 = 60 * MINUTE_NS;
+/// Burst: this many follow wakes within [`BURST_WINDOW_NS`] with no post in it.
+pub const BURST_WAKES_MIN: usize = 6;
+pub const BURST_WINDOW_NS: i64 = HOUR_NS;
+/// Chronic: this many follow wakes since the last post, spanning at least [`CHRONIC_SPAN_NS`].
+pub const CHRONIC_WAKES_MIN: u32 = 12;
+pub const CHRONIC_SPAN_NS: i64 = 72 * HOUR_NS;
+/// After a note, no other note on that subscription for this long.
+pub const NOTE_BACKOFF_NS: i64 = 24 * HOUR_NS;
+/// Follow wakes remembered per subscription for the burst window.
+const RECENT_WAKES_MAX: usize = 16;
+
+/// What the fold decided for one message and one receiving agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Route {
+    Wake(WakeReason),
+    Ignored(IgnoreReason),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IgnoreReason {
+    /// Nothing addresses the agent: a thread it does not follow, a bot's top-level post, a row
+    /// without a person's text.
+    NotAddressed,
+    /// The channel or thread is muted.
+    Muted,
+    /// The agent wrote it.
+    Own,
+}
+
+impl IgnoreReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IgnoreReason::NotAddressed => "not_addressed",
+            IgnoreReason::Muted => "muted",
+            IgnoreReason::Own => "own",
+        }
+    }
+}
+
+/// One channel (member channels) or thread (follows) of one agent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Subscription {
+    /// Channels: the agent's app received a delivery there (the channel follow is implicit).
+    pub member: bool,
+    /// Threads: the agent follows it.
+    pub following: bool,
+    pub muted: bool,
+    pub attention: Attention,
+}
+
+/// Counters behind mute suggestions, by log time.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attention {
+    /// Log times of the latest follow wakes since the last post, oldest first.
+    pub recent_wakes_ns: VecDeque<i64>,
+    pub wakes_since_post: u32,
+    pub first_wake_since_post_ns: Option<i64>,
+    pub last_post_ns: Option<i64>,
+    /// No note before this log time.
+    pub note_backoff_until_ns: i64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NoteKind {
+    Burst,
+    Chronic,
+}
+
+/// A mute suggestion attached to a wake.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttentionNote {
+    pub kind: NoteKind,
+    /// The channel or thread to mute.
+    pub target: SurfaceId,
+    pub wakes: u32,
+}
+
+impl Attention {
+    /// Counts a follow wake at `at_ns`; returns the note it earns, if any.
+    fn count_wake(&mut self, at_ns: i64) -> Option<NoteKind> {
+        self.wakes_since_post += 1;
+        self.first_wake_since_post_ns.get_or_insert(at_ns);
+        self.recent_wakes_ns.push_back(at_ns);
+        while self.recent_wakes_ns.len() > RECENT_WAKES_MAX {
+            self.recent_wakes_ns.pop_front();
+        }
+        if at_ns < self.note_backoff_until_ns {
+            return None;
+        }
+        let in_window = self.recent_wakes_ns.iter().filter(|t| at_ns - **t < BURST_WINDOW_NS).count();
+        let kind = if in_window >= BURST_WAKES_MIN {
+            Some(NoteKind::Burst)
+        } else if self.wakes_since_post >= CHRONIC_WAKES_MIN
+            && self.first_wake_since_post_ns.is_some_and(|first| at_ns - first >= CHRONIC_SPAN_NS)
+        {
+            Some(NoteKind::Chronic)
+        } else {
+            None
+        };
+        if kind.is_some() {
+            self.note_backoff_until_ns = at_ns.saturating_add(NOTE_BACKOFF_NS);
+        }
+        kind
+    }
+
+    /// The agent posted: counters start over.
+    fn reset_on_post(&mut self, at_ns: i64) {
+        self.recent_wakes_ns.clear();
+        self.wakes_since_post = 0;
+        self.first_wake_since_post_ns = None;
+        self.last_post_ns = Some(at_ns);
+    }
+}
+
+/// Whether `text` mentions `<@bot_user_id>` outside code spans and code blocks.
+pub fn mentions(text: &str, bot_user_id: &str) -> bool {
+    if bot_user_id.is_empty() {
+        return false;
+    }
+    let needle = format!("<@{bot_user_id}>");
+    let needle_with_label = format!("<@{bot_user_id}|");
+    let mut rest = text;
+    let mut outside = String::new();
+    // Drop ``` blocks, then `spans`; what remains is outside code.
+    while let Some(start) = rest.find("```") {
+        outside.push_str(&rest[..start]);
+        match rest[start + 3..].find("```") {
+            Some(end) => rest = &rest[start + 3 + end + 3..],
+            None => {
+                rest = "";
+            }
+        }
+    }
+    outside.push_str(rest);
+    let mut plain = String::new();
+    for (index, part) in outside.split('`').enumerate() {
+        if index % 2 == 0 {
+            plain.push_str(part);
+            plain.push(' ');
+        }
+    }
+    plain.contains(&needle) || plain.contains(&needle_with_label)
+}
+
+/// The channel top level of a surface (itself when it is one).
+pub fn channel_of(surface: &SurfaceId) -> SurfaceId {
+    let SurfaceId::Slack { team, channel, .. } = surface;
+    SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: None }
+}
+
+/// The thread rooted at `ts` in the channel of `surface`.
+pub fn thread_at(surface: &SurfaceId, ts: &str) -> SurfaceId {
+    let SurfaceId::Slack { team, channel, .. } = surface;
+    SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(ts.to_owned()) }
+}
+
+/// The facts of one observed message that routing needs.
+pub struct Observed<'a> {
+    pub surface: &'a SurfaceId,
+    pub row: &'a RowMeta,
+    pub is_app_mention: bool,
+    pub is_bot: bool,
+    pub text: &'a str,
+}
+
+/// A routing decision: the route, where a wake would answer, and a mute note it carries.
+pub struct Routed {
+    pub route: Route,
+    pub reply_to: Option<SurfaceId>,
+    pub note: Option<AttentionNote>,
+}
+
+impl State {
+    pub fn subscription(&self, agent: &str, surface: &SurfaceId) -> Option<&Subscription> {
+        self.subscriptions.get(&(agent.to_owned(), surface.clone()))
+    }
+
+    fn subscription_mut(&mut self, agent: &str, surface: &SurfaceId) -> &mut Subscription {
+        self.subscriptions.entry_or_default((agent.to_owned(), surface.clone()))
+    }
+
+    /// Routes one observed message for one receiving agent (first match wins), updating follows
+    /// and membership in the same step. Attention is counted only when the wake is queued.
+    pub(crate) fn route(&mut self, agent: &str, observed: &Observed<'_>) -> Routed {
+        let ignored = |reason| Routed { route: Route::Ignored(reason), reply_to: None, note: None };
+        let surface = observed.surface;
+        let row = observed.row;
+        let dm = surface.is_dm();
+        let channel = channel_of(surface);
+        if !dm {
+            let membership = self.subscription(agent, &channel).is_some_and(|s| s.member);
+            if !membership {
+                self.subscription_mut(agent, &channel).member = true;
+            }
+        }
+        if row.is_own(agent) {
+            return ignored(IgnoreReason::Own);
+        }
+        let routable = !row.user_id.is_empty() && !observed.text.trim().is_empty();
+        if !routable {
+            return ignored(IgnoreReason::NotAddressed);
+        }
+        if dm {
+            return Routed { route: Route::Wake(WakeReason::Dm), reply_to: Some(surface.clone()), note: None };
+        }
+        let bot_user_id = self.agents.get(&agent.to_owned()).map(|a| a.slack_bot_user_id.clone()).unwrap_or_default();
+        if observed.is_app_mention || mentions(observed.text, &bot_user_id) {
+            let thread = match surface.thread_ts() {
+                Some(_) => surface.clone(),
+                None => thread_at(surface, &row.ts),
+            };
+            if !observed.is_bot {
+                let subscription = self.subscription_mut(agent, &thread);
+                subscription.following = true;
+                subscription.muted = false;
+            }
+            return Routed { route: Route::Wake(WakeReason::Mention), reply_to: Some(thread), note: None };
+        }
+        if surface.thread_ts().is_some() {
+            return match self.subscription(agent, surface) {
+                Some(s) if s.following && s.muted => ignored(IgnoreReason::Muted),
+                Some(s) if s.following => {
+                    Routed { route: Route::Wake(WakeReason::ThreadFollow), reply_to: Some(surface.clone()), note: None }
+                }
+                _ => ignored(IgnoreReason::NotAddressed),
+            };
+        }
+        if observed.is_bot {
+            return ignored(IgnoreReason::NotAddressed);
+        }
+        if self.subscription(agent, &channel).is_some_and(|s| s.muted) {
+            return ignored(IgnoreReason::Muted);
+        }
+        Routed {
+            route: Route::Wake(WakeReason::ChannelFollow),
+            reply_to: Some(thread_at(surface, &row.ts)),
+            note: None,
+        }
+    }
+
+    /// Counts a queued follow wake on its subscription; returns the note it carries, if any.
+    pub(crate) fn count_follow_wake(
+        &mut self,
+        at: LogPosition,
+        agent: &str,
+        reason: WakeReason,
+        surface: &SurfaceId,
+    ) -> Option<AttentionNote> {
+        let target = match reason {
+            WakeReason::ChannelFollow => channel_of(surface),
+            WakeReason::ThreadFollow => surface.clone(),
+            WakeReason::Dm | WakeReason::Mention => return None,
+        };
+        let attention = &mut self.subscription_mut(agent, &target).attention;
+        let kind = attention.count_wake(at.at_ns)?;
+        let wakes = attention.wakes_since_post;
+        Some(AttentionNote { kind, target, wakes })
+    }
+
+    /// The agent posted on `surface` (a message or an ask, not a file): a threaded post follows
+    /// its thread, un-mutes it and resets its counters; a top-level channel post follows the
+    /// thread it may start and resets the channel's counters.
+    pub(crate) fn note_own_post(&mut self, at: LogPosition, agent: &str, surface: &SurfaceId, ts: &str) {
+        if surface.is_dm() {
+            return;
+        }
+        match surface.thread_ts() {
+            Some(_) => {
+                let subscription = self.subscription_mut(agent, surface);
+                subscription.following = true;
+                subscription.muted = false;
+                subscription.attention.reset_on_post(at.at_ns);
+            }
+            None => {
+                self.subscription_mut(agent, &thread_at(surface, ts)).following = true;
+                self.subscription_mut(agent, surface).attention.reset_on_post(at.at_ns);
+            }
+        }
+    }
+
+    pub(crate) fn change_subscription(
+        &mut self,
+        _at: LogPosition,
+        request: &proto::SubscriptionChangeRequested,
+    ) -> Verdict {
+        if !self.agents.contains_key(&request.agent_id) {
+            return refused(RefusalKind::InvalidArgument, format!("agent {:?} is not registered", request.agent_id));
+        }
+        let Some(target) = request.target.as_ref() else {
+            return refused(RefusalKind::InvalidArgument, "target is missing");
+        };
+        let surface = SurfaceId::from_target(&proto::ReplyTarget {
+            target: Some(proto::reply_target::Target::Slack(target.clone())),
+        })
+        .expect("a Slack target is a surface");
+        if surface.is_dm() {
+            return refused(RefusalKind::InvalidArgument, format!("{surface} is a DM; DMs cannot be muted"));
+        }
+        let current = self.subscription(&request.agent_id, &surface).is_some_and(|s| s.muted);
+        if !request.mute && !current {
+            return refused(RefusalKind::FailedPrecondition, format!("{surface} is not muted; nothing to unmute"));
+        }
+        self.subscription_mut(&request.agent_id, &surface).muted = request.mute;
+        Verdict::SubscriptionChanged { surface, muted: request.mute }
+    }
+}
