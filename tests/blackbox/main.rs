@@ -4,3 +4,4 @@
 mod fixture;
 mod race;
 mod send_hold;
+mod wakes;

@@ -122,3 +122,71 @@ async fn no_send_is_allowed_over_a_foreign_message_with_two_instances() {
     }
     assert_eq!(checked, SENDERS * SENDS_PER_SENDER);
 }
+
+const DMS: usize = 24;
+const WORKERS_PER_INSTANCE: usize = 3;
+
+/// Many DM wakes for one agent, workers on two instances claiming, starting and finishing in
+/// parallel: every wake is started exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_wake_is_started_exactly_once_with_two_instances() {
+    let nats = NatsServer::start();
+    let first = Server::start_on_nats(&nats.url());
+    let second = Server::start_on_nats(&nats.url());
+    let mut ingest = second.ingest(CONNECTOR_TOKEN).await;
+    for n in 0..DMS {
+        let channel = format!("D{n}");
+        ingest.append(slack_message(&["ada"], &channel, "1700000000.000001", "", "U1", "please")).await.expect("append");
+    }
+    let mut tasks = Vec::new();
+    for (instance, server) in [&first, &second].into_iter().enumerate() {
+        for worker in 0..WORKERS_PER_INSTANCE {
+            let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+            let worker_id = format!("worker-{instance}-{worker}");
+            tasks.push(tokio::spawn(async move {
+                let mut started = Vec::new();
+                let mut idle_rounds = 0;
+                while idle_rounds < 20 {
+                    let claim = api::ClaimRequest { agent_id: "ada".into(), worker_id: worker_id.clone(), ..Default::default() };
+                    let wake = match wakes.claim(claim).await {
+                        Ok(response) => response.into_inner().wake,
+                        Err(status) if status.code() == tonic::Code::Aborted => None,
+                        Err(status) => panic!("claim: {status:?}"),
+                    };
+                    let Some(wake) = wake else {
+                        idle_rounds += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        continue;
+                    };
+                    idle_rounds = 0;
+                    let start = api::StartRequest {
+                        agent_id: "ada".into(),
+                        worker_id: worker_id.clone(),
+                        item_id: wake.item_id.clone(),
+                        plan: wake.plan,
+                        request_id: String::new(),
+                    };
+                    wakes.start(start).await.expect("a claimed wake starts");
+                    started.push(wake.item_id.clone());
+                    let finish = api::FinishRequest {
+                        agent_id: "ada".into(),
+                        worker_id: worker_id.clone(),
+                        item_id: wake.item_id,
+                        outcome: api::WakeOutcome::Completed as i32,
+                        ..Default::default()
+                    };
+                    wakes.finish(finish).await.expect("finish");
+                }
+                started
+            }));
+        }
+    }
+    let mut started = Vec::new();
+    for task in tasks {
+        started.extend(task.await.expect("worker"));
+    }
+    started.sort();
+    let unique: std::collections::BTreeSet<_> = started.iter().cloned().collect();
+    assert_eq!(unique.len(), started.len(), "no wake started twice: {started:?}");
+    assert_eq!(unique.len(), DMS, "every wake started");
+}

@@ -1,0 +1,177 @@
+//! Wake delivery end to end through the binary: a channel post wakes the agent (Watch signals
+//! it), the wake shows the update and answers in the post's thread, replies there hold the next
+//! send; restart drains come back with the continuation note; mutes and heartbeats.
+
+use anima_gateway::api;
+use futures::StreamExt;
+use tonic::Code;
+
+use crate::fixture::*;
+
+fn held(response: &api::SendResponse) -> Option<&api::SendHeld> {
+    match response.verdict.as_ref() {
+        Some(api::send_response::Verdict::Held(held)) => Some(held),
+        _ => None,
+    }
+}
+
+async fn claim_and_start(wakes: &mut api::wakes_client::WakesClient<Authed>, worker: &str) -> api::Wake {
+    let wake = wakes
+        .claim(api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() })
+        .await
+        .expect("claim")
+        .into_inner()
+        .wake
+        .expect("a wake to claim");
+    wakes
+        .start(api::StartRequest {
+            agent_id: "ada".into(),
+            worker_id: worker.into(),
+            item_id: wake.item_id.clone(),
+            plan: wake.plan.clone(),
+            request_id: String::new(),
+        })
+        .await
+        .expect("start");
+    wake
+}
+
+async fn scenario(backend: Backend) {
+    let server = Server::start(backend);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+    let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
+
+    // Watch signals without polling: nothing claimable, then a wake.
+    let mut watch = wakes.watch(api::WatchRequest { agent_id: "ada".into() }).await.expect("watch").into_inner();
+    let first = watch.next().await.expect("signal").expect("ok");
+    assert!(!first.claimable);
+    let appended = ingest
+        .append(slack_message(&["ada"], "C1", "1700000001.000100", "", "U1", "who can review the release notes?"))
+        .await
+        .expect("append")
+        .into_inner();
+    assert_eq!(appended.outcomes[0].wake_reason, "channel_follow");
+    let signal = tokio::time::timeout(std::time::Duration::from_secs(10), watch.next())
+        .await
+        .expect("a signal within 10 s")
+        .expect("signal")
+        .expect("ok");
+    assert!(signal.claimable && signal.queued == 1, "{signal:?}");
+
+    let wake = claim_and_start(&mut wakes, "w1").await;
+    assert_eq!(wake.reason, "channel_follow");
+    assert!(wake.text.contains("=== conversation update ===") && wake.text.contains("=== latest wake ==="));
+    assert!(wake.text.contains("> who can review the release notes?"), "{}", wake.text);
+    let thread = slack_target("C1", "1700000001.000100");
+    assert_eq!(wake.reply_to.as_ref(), Some(&thread), "a channel post is answered in its thread");
+    assert_eq!(wake.plan.len(), 2, "the channel and the response thread");
+
+    // Two foreign replies arrive in that thread: the send into it is held with both; resend posts.
+    for (ts, text) in [("1700000002.000100", "I can"), ("1700000003.000100", "me too")] {
+        ingest.append(slack_message(&["ada"], "C1", ts, "1700000001.000100", "U2", text)).await.expect("append");
+    }
+    let response = sends.send(send_request("ada", thread.clone())).await.expect("send").into_inner();
+    let notice = held(&response).expect("held");
+    assert_eq!(notice.new_messages, 2);
+    assert!(notice.notice.contains("> I can") && notice.notice.contains("> me too"));
+    let resend = sends.send(send_request("ada", thread.clone())).await.expect("send").into_inner();
+    assert!(matches!(resend.verdict, Some(api::send_response::Verdict::Allowed(_))));
+    // The post is made and confirmed: the agent now follows the thread.
+    sends
+        .confirm(api::ConfirmRequest {
+            agent_id: "ada".into(),
+            target: Some(thread.clone()),
+            kind: api::SendKind::Message as i32,
+            ts: "1700000003.500100".into(),
+            text: "I will take it".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("confirm");
+
+    // Heartbeats: the first is appended, the next within a minute is not.
+    let heartbeat = api::HeartbeatRequest { agent_id: "ada".into(), worker_id: "w1".into(), item_id: wake.item_id.clone() };
+    assert!(wakes.heartbeat(heartbeat.clone()).await.expect("heartbeat").into_inner().appended);
+    assert!(!wakes.heartbeat(heartbeat).await.expect("heartbeat").into_inner().appended);
+
+    // A restart drain mid-turn: the item comes back with the continuation note and what arrived.
+    ingest
+        .append(slack_message(&["ada"], "C1", "1700000004.000100", "1700000001.000100", "U2", "during the outage"))
+        .await
+        .expect("append");
+    wakes
+        .finish(api::FinishRequest {
+            agent_id: "ada".into(),
+            worker_id: "w1".into(),
+            item_id: wake.item_id.clone(),
+            outcome: api::WakeOutcome::Aborted as i32,
+            reason: "runtime restarting".into(),
+            restart_drain: true,
+            ..Default::default()
+        })
+        .await
+        .expect("finish");
+    let resumed = claim_and_start(&mut wakes, "w2").await;
+    assert_eq!(resumed.item_id, wake.item_id);
+    assert!(resumed.text.contains("A runtime restart interrupted your previous turn"), "{}", resumed.text);
+    assert!(resumed.text.contains("> during the outage"), "{}", resumed.text);
+    let error = wakes
+        .finish(api::FinishRequest {
+            agent_id: "ada".into(),
+            worker_id: "w1".into(),
+            item_id: wake.item_id.clone(),
+            outcome: api::WakeOutcome::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::FailedPrecondition, "the old worker's finish is refused");
+
+    // Mutes: list shows them; unmuting what is not muted names the target.
+    let mut subscriptions = api::subscriptions_client::SubscriptionsClient::with_interceptor(
+        server.channel().await,
+        bearer(ADA_RUNTIME_TOKEN),
+    );
+    let channel = api::SlackTarget { team_id: "T1".into(), channel_id: "C1".into(), thread_ts: String::new() };
+    subscriptions
+        .mute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(channel.clone()), ..Default::default() })
+        .await
+        .expect("mute");
+    let list = subscriptions.list(api::ListSubscriptionsRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+    let c1 = list.subscriptions.iter().find(|s| s.surface == "slack:T1:C1").expect("C1 listed");
+    assert!(c1.member && c1.muted);
+    assert!(list.subscriptions.iter().any(|s| s.surface == "slack:T1:C1:thread:1700000001.000100" && s.following));
+    let muted = ingest
+        .append(slack_message(&["ada"], "C1", "1700000005.000100", "", "U3", "more chatter"))
+        .await
+        .expect("append")
+        .into_inner();
+    assert_eq!(muted.outcomes[0].wake_reason, "", "a muted channel does not wake");
+    let other = api::SlackTarget { team_id: "T1".into(), channel_id: "C2".into(), thread_ts: "1700000009.000100".into() };
+    let error = subscriptions
+        .unmute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(other), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::FailedPrecondition);
+    assert!(error.message().contains("slack:T1:C2:thread:1700000009.000100"), "{}", error.message());
+    let mut bob = api::subscriptions_client::SubscriptionsClient::with_interceptor(
+        server.channel().await,
+        bearer(BOB_RUNTIME_TOKEN),
+    );
+    let error = bob
+        .mute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(channel), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), Code::PermissionDenied);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wake_delivery_on_the_embedded_log() {
+    scenario(Backend::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wake_delivery_on_jetstream() {
+    scenario(Backend::JetStream).await;
+}
