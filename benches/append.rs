@@ -1,5 +1,5 @@
 //! Append throughput of both log backends through the `EventLog` trait, each next to the raw
-//! store doing the same writes in the same run, so the ratio shows what the log layer costs:
+//! store doing the same writes on the same machine, so the ratio shows what the log layer costs:
 //!
 //! * embedded: `EmbeddedLog::append_batch` of 1,000 records against raw sled `apply_batch` +
 //!   `flush` of the same entries (the record under its seq key, the msg-id index entry and the
@@ -9,6 +9,11 @@
 //!   of the same subjects, payloads and `Nats-Msg-Id` headers into the same stream, with the
 //!   same window of acks in flight (`JetStreamConfig::default().ack_window`) polled together in
 //!   a `FuturesUnordered`, on a connection with the same async-nats ack limit.
+//!
+//! Criterion measures each side on its own. The printed ratio comes from a second phase that
+//! alternates engine and raw batches ([`crate::measure::interleave`]): measured one after the
+//! other, the two sides saw different machines (other builds come and go), which moved the ratio
+//! by ±40% between runs.
 //!
 //! Records are ~300-byte encoded Slack observations on 64 channel subjects; every msg id is
 //! distinct across the run (36 bytes, the length of the engine's UUID ids), so nothing dedupes.
@@ -27,13 +32,16 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use prost::Message;
 use tokio::runtime::Runtime;
 
-use crate::measure::Tally;
+use crate::measure::{interleave, median, Interleaved, Side};
 
 /// Records per `append_batch` against the embedded log (and per raw sled batch).
 const EMBEDDED_BATCH_RECORDS: usize = 1_000;
 /// Records per `append_batch` against JetStream: ten ack windows, so the pipeline is full most of
 /// the time.
 const JETSTREAM_BATCH_RECORDS: usize = 10_000;
+/// Interleaved batch pairs (one engine batch, one raw batch) behind the printed ratio.
+const EMBEDDED_ROUNDS: usize = 30;
+const JETSTREAM_ROUNDS: usize = 10;
 /// Target size of one encoded payload.
 const PAYLOAD_BYTES: usize = 300;
 const CHANNELS: usize = 64;
@@ -155,81 +163,106 @@ fn unix_ns() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64)
 }
 
-fn ratio_line(name: &str, engine: &Tally, baseline_name: &str, baseline: &Tally, detail: &str) -> Option<String> {
-    let (engine, baseline) = (engine.rate()?, baseline.rate()?);
-    Some(format!(
-        "{name}: {engine:.0} ev/s, {baseline_name}: {baseline:.0} ev/s, ratio {:.2} ({detail})",
-        engine / baseline
-    ))
+/// The summary line of an interleaved comparison: rates from the median batch time of each side.
+fn ratio_line(name: &str, baseline_name: &str, batch_records: usize, runs: &Interleaved, detail: &str) -> String {
+    let engine = batch_records as f64 / median(&runs.engine).as_secs_f64();
+    let baseline = batch_records as f64 / median(&runs.raw).as_secs_f64();
+    format!(
+        "{name}: {engine:.0} ev/s, {baseline_name}: {baseline:.0} ev/s, ratio {:.2} ({detail}; median of {} interleaved batches each)",
+        engine / baseline,
+        runs.engine.len()
+    )
 }
 
-/// The embedded log against raw sled. Returns the summary line.
-pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
+/// Both sides of the embedded comparison, opened on first use.
+struct EmbeddedFixture {
+    log: EmbeddedLog,
+    engine_source: RecordSource,
+    raw_tree: sled::Tree,
+    raw_source: RecordSource,
+    raw_last_seq: u64,
+    _directory: tempfile::TempDir,
+}
+
+impl EmbeddedFixture {
+    fn open() -> Self {
+        let directory = tempfile::Builder::new().prefix("anima-bench-sled-").tempdir().expect("temporary directory");
+        let db = sled::Config::new().path(directory.path().join("embedded")).open().expect("open sled");
+        let log = EmbeddedLog::open(db, EmbeddedConfig::default()).expect("open the embedded log");
+        let db = sled::Config::new().path(directory.path().join("raw")).open().expect("open sled");
+        let raw_tree = db.open_tree("log").expect("open tree");
+        EmbeddedFixture {
+            log,
+            engine_source: RecordSource::new("emb-"),
+            raw_tree,
+            raw_source: RecordSource::new("raw-"),
+            raw_last_seq: 0,
+            _directory: directory,
+        }
+    }
+
+    /// Appends one batch through the `EventLog` trait; returns the time the append took.
+    fn engine_batch(&mut self, runtime: &Runtime) -> Duration {
+        let batch = self.engine_source.batch(EMBEDDED_BATCH_RECORDS);
+        let started = Instant::now();
+        let outcomes = runtime.block_on(self.log.append_batch(batch)).expect("embedded append_batch");
+        let elapsed = started.elapsed();
+        assert_all_appended(&outcomes, EMBEDDED_BATCH_RECORDS);
+        elapsed
+    }
+
+    /// Writes the same entries of one batch to raw sled; returns the time it took.
+    fn raw_batch(&mut self) -> Duration {
+        let batch = self.raw_source.batch(EMBEDDED_BATCH_RECORDS);
+        let started = Instant::now();
+        raw_sled_append(&self.raw_tree, &batch, &mut self.raw_last_seq, unix_ns());
+        started.elapsed()
+    }
+}
+
+/// Times `batch` once per criterion iteration.
+fn iterate(iters: u64, mut batch: impl FnMut() -> Duration) -> Duration {
+    (0..iters).map(|_| batch()).sum()
+}
+
+/// The embedded log against raw sled. Returns the summary line, or `None` when filtered out.
+pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Option<String> {
     let mut group = c.benchmark_group("embedded_append");
     group.sampling_mode(SamplingMode::Flat);
     group.throughput(Throughput::Elements(EMBEDDED_BATCH_RECORDS as u64));
-    let directory = tempfile::Builder::new().prefix("anima-bench-sled-").tempdir().expect("temporary directory");
-
-    let mut log: Option<EmbeddedLog> = None;
-    let mut source = RecordSource::new("emb-");
-    let mut embedded = Tally::default();
+    let mut fixture: Option<EmbeddedFixture> = None;
     group.bench_function("event_log_append_batch", |b| {
-        let log = log.get_or_insert_with(|| {
-            let db = sled::Config::new().path(directory.path().join("embedded")).open().expect("open sled");
-            EmbeddedLog::open(db, EmbeddedConfig::default()).expect("open the embedded log")
-        });
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let batch = source.batch(EMBEDDED_BATCH_RECORDS);
-                let started = Instant::now();
-                let outcomes = runtime.block_on(log.append_batch(batch)).expect("embedded append_batch");
-                let elapsed = started.elapsed();
-                assert_all_appended(&outcomes, EMBEDDED_BATCH_RECORDS);
-                total += elapsed;
-                embedded.record(EMBEDDED_BATCH_RECORDS as u64, elapsed);
-            }
-            total
-        });
+        let fixture = fixture.get_or_insert_with(EmbeddedFixture::open);
+        b.iter_custom(|iters| iterate(iters, || fixture.engine_batch(runtime)));
     });
-    drop(log);
-
-    let mut tree: Option<sled::Tree> = None;
-    let mut source = RecordSource::new("raw-");
-    let mut last_seq = 0u64;
-    let mut raw = Tally::default();
     group.bench_function("raw_sled_apply_batch_flush", |b| {
-        let tree = tree.get_or_insert_with(|| {
-            let db = sled::Config::new().path(directory.path().join("raw")).open().expect("open sled");
-            db.open_tree("log").expect("open tree")
-        });
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let batch = source.batch(EMBEDDED_BATCH_RECORDS);
-                let started = Instant::now();
-                raw_sled_append(tree, &batch, &mut last_seq, unix_ns());
-                let elapsed = started.elapsed();
-                total += elapsed;
-                raw.record(EMBEDDED_BATCH_RECORDS as u64, elapsed);
-            }
-            total
-        });
+        let fixture = fixture.get_or_insert_with(EmbeddedFixture::open);
+        b.iter_custom(|iters| iterate(iters, || fixture.raw_batch()));
     });
-    drop(tree);
     group.finish();
-    ratio_line(
+
+    let mut fixture = fixture?;
+    let rounds = if quick { 2 } else { EMBEDDED_ROUNDS };
+    let runs = interleave(rounds, |side| match side {
+        Side::Engine => fixture.engine_batch(runtime),
+        Side::Raw => fixture.raw_batch(),
+    });
+    Some(ratio_line(
         "embedded_append",
-        &embedded,
         "raw sled",
-        &raw,
+        EMBEDDED_BATCH_RECORDS,
+        &runs,
         &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, 3 entries per record, one flush per batch"),
-    )
+    ))
 }
 
 /// Raw async-nats: publish every record with its `Nats-Msg-Id`, at most `window` acks in flight,
 /// polled together.
-async fn raw_publish_batch(context: &async_nats::jetstream::Context, records: Vec<AppendRecord>, window: usize) -> usize {
+async fn raw_publish_batch(
+    context: &async_nats::jetstream::Context,
+    records: Vec<AppendRecord>,
+    window: usize,
+) -> usize {
     let mut in_flight = FuturesUnordered::new();
     let mut acked = 0usize;
     let mut check = |ack: Result<async_nats::jetstream::publish::PublishAck, _>| {
@@ -254,22 +287,19 @@ async fn raw_publish_batch(context: &async_nats::jetstream::Context, records: Ve
     acked
 }
 
+/// Both sides of the JetStream comparison on one server, started on first use.
 struct JetStreamFixture {
     log: JetStreamLog,
+    engine_source: RecordSource,
     raw: async_nats::jetstream::Context,
+    raw_source: RecordSource,
+    ack_window: usize,
     // Dropped last: stops nats-server.
     _server: NatsServer,
 }
 
-/// The JetStream log against raw async-nats. Returns the summary line.
-pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
-    let mut group = c.benchmark_group("jetstream_append");
-    group.sampling_mode(SamplingMode::Flat);
-    group.throughput(Throughput::Elements(JETSTREAM_BATCH_RECORDS as u64));
-    let config = JetStreamConfig::default();
-    let window = config.ack_window;
-    let mut fixture: Option<JetStreamFixture> = None;
-    let setup = || {
+impl JetStreamFixture {
+    fn start(runtime: &Runtime) -> Self {
         let server = NatsServer::start();
         let config = JetStreamConfig { url: server.url(), ..JetStreamConfig::default() };
         runtime.block_on(async {
@@ -281,54 +311,67 @@ pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
                 .max_ack_inflight(config.ack_window * 4)
                 .backpressure_on_inflight(true)
                 .build(client);
-            JetStreamFixture { log, raw, _server: server }
+            JetStreamFixture {
+                log,
+                engine_source: RecordSource::new("eng-"),
+                raw,
+                raw_source: RecordSource::new("raw-"),
+                ack_window: config.ack_window,
+                _server: server,
+            }
         })
-    };
+    }
 
-    let mut source = RecordSource::new("eng-");
-    let mut engine = Tally::default();
+    fn engine_batch(&mut self, runtime: &Runtime) -> Duration {
+        let batch = self.engine_source.batch(JETSTREAM_BATCH_RECORDS);
+        let started = Instant::now();
+        let outcomes = runtime.block_on(self.log.append_batch(batch)).expect("JetStream append_batch");
+        let elapsed = started.elapsed();
+        assert_all_appended(&outcomes, JETSTREAM_BATCH_RECORDS);
+        elapsed
+    }
+
+    fn raw_batch(&mut self, runtime: &Runtime) -> Duration {
+        let batch = self.raw_source.batch(JETSTREAM_BATCH_RECORDS);
+        let started = Instant::now();
+        let acked = runtime.block_on(raw_publish_batch(&self.raw, batch, self.ack_window));
+        let elapsed = started.elapsed();
+        assert_eq!(acked, JETSTREAM_BATCH_RECORDS);
+        elapsed
+    }
+}
+
+/// The JetStream log against raw async-nats. Returns the summary line, or `None` when filtered
+/// out.
+pub fn bench_jetstream(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Option<String> {
+    let mut group = c.benchmark_group("jetstream_append");
+    group.sampling_mode(SamplingMode::Flat);
+    group.throughput(Throughput::Elements(JETSTREAM_BATCH_RECORDS as u64));
+    let mut fixture: Option<JetStreamFixture> = None;
     group.bench_function("event_log_append_batch", |b| {
-        let fixture = fixture.get_or_insert_with(&setup);
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let batch = source.batch(JETSTREAM_BATCH_RECORDS);
-                let started = Instant::now();
-                let outcomes = runtime.block_on(fixture.log.append_batch(batch)).expect("JetStream append_batch");
-                let elapsed = started.elapsed();
-                assert_all_appended(&outcomes, JETSTREAM_BATCH_RECORDS);
-                total += elapsed;
-                engine.record(JETSTREAM_BATCH_RECORDS as u64, elapsed);
-            }
-            total
-        });
+        let fixture = fixture.get_or_insert_with(|| JetStreamFixture::start(runtime));
+        b.iter_custom(|iters| iterate(iters, || fixture.engine_batch(runtime)));
     });
-
-    let mut source = RecordSource::new("raw-");
-    let mut raw = Tally::default();
     group.bench_function("raw_async_nats_publish", |b| {
-        let fixture = fixture.get_or_insert_with(&setup);
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let batch = source.batch(JETSTREAM_BATCH_RECORDS);
-                let started = Instant::now();
-                let acked = runtime.block_on(raw_publish_batch(&fixture.raw, batch, window));
-                let elapsed = started.elapsed();
-                assert_eq!(acked, JETSTREAM_BATCH_RECORDS);
-                total += elapsed;
-                raw.record(JETSTREAM_BATCH_RECORDS as u64, elapsed);
-            }
-            total
-        });
+        let fixture = fixture.get_or_insert_with(|| JetStreamFixture::start(runtime));
+        b.iter_custom(|iters| iterate(iters, || fixture.raw_batch(runtime)));
     });
     group.finish();
-    drop(fixture);
-    ratio_line(
+
+    let mut fixture = fixture?;
+    let rounds = if quick { 2 } else { JETSTREAM_ROUNDS };
+    let runs = interleave(rounds, |side| match side {
+        Side::Engine => fixture.engine_batch(runtime),
+        Side::Raw => fixture.raw_batch(runtime),
+    });
+    Some(ratio_line(
         "jetstream_append",
-        &engine,
         "raw async-nats",
-        &raw,
-        &format!("batches of {JETSTREAM_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B with Nats-Msg-Id, {window} acks in flight"),
-    )
+        JETSTREAM_BATCH_RECORDS,
+        &runs,
+        &format!(
+            "batches of {JETSTREAM_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B with Nats-Msg-Id, {} acks in flight",
+            fixture.ack_window
+        ),
+    ))
 }

@@ -7,8 +7,9 @@
 //!   JetStream publish-and-ack round trip.
 //!
 //! Absolute figures drift ±30% between runs on these machines (FIELD-NOTES.md), so every IO
-//! benchmark runs its raw baseline in the same run and prints the ratio. Each group prints one
-//! summary line; all of them are repeated at the end. Run with `cargo bench -p anima-benches`
+//! benchmark runs its raw baseline in the same run and prints the ratio, measured interleaved
+//! with the engine path after criterion's own runs. Each group prints one summary line; all of
+//! them are repeated at the end. Run with `cargo bench -p anima-benches`
 //! (about a minute of measuring after the build), or `cargo bench -p anima-benches -- --test`
 //! to run every routine once. Fixtures (nats-server, the gateway) start lazily, so a filter such
 //! as `cargo bench -p anima-benches -- fold` starts nothing it does not need.
@@ -45,15 +46,15 @@ fn main() {
     let mut summary = Vec::new();
     let mut report = |line: Option<String>| {
         if let Some(line) = line {
-            let line = if test_mode { format!("{line} [--test: one call, not a measurement]") } else { line };
+            let line = if test_mode { format!("{line} [--test: a few runs, not a measurement]") } else { line };
             println!("{line}");
             summary.push(line);
         }
     };
     report(fold::bench(&mut criterion));
-    report(append::bench_embedded(&mut criterion, &runtime));
-    report(append::bench_jetstream(&mut criterion, &runtime));
-    report(send_latency::bench(&mut criterion, &runtime));
+    report(append::bench_embedded(&mut criterion, &runtime, test_mode));
+    report(append::bench_jetstream(&mut criterion, &runtime, test_mode));
+    report(send_latency::bench(&mut criterion, &runtime, test_mode));
 
     criterion.final_summary();
     if !summary.is_empty() {

@@ -1,6 +1,6 @@
-//! What the benchmarks record next to criterion: per-call element counts, durations and single
-//! latencies, from which the summary lines (rates, ratios, percentiles) are computed; and the
-//! seeded generator that makes the inputs reproducible.
+//! What the benchmarks measure next to criterion, for their summary lines: rates of criterion's
+//! own samples ([`Tally`]), interleaved comparisons of an engine path with its raw baseline
+//! ([`interleave`]), percentiles; and the seeded generator that makes inputs reproducible.
 //!
 //! Criterion calls a routine first to warm up (with growing iteration counts), then once per
 //! sample. A [`Tally`] keeps every call and summarizes only the last [`SAMPLES_SUMMARIZED`] of
@@ -16,7 +16,6 @@ pub const SAMPLES_SUMMARIZED: usize = 10;
 struct Call {
     elements: u64,
     elapsed: Duration,
-    latencies: Vec<Duration>,
 }
 
 /// Calls of one benchmark routine, in order.
@@ -28,13 +27,7 @@ pub struct Tally {
 impl Tally {
     /// Records a call that handled `elements` in `elapsed` (measured time only).
     pub fn record(&mut self, elements: u64, elapsed: Duration) {
-        self.calls.push(Call { elements, elapsed, latencies: Vec::new() });
-    }
-
-    /// Records a call made of single operations with these latencies.
-    pub fn record_latencies(&mut self, latencies: Vec<Duration>) {
-        let elapsed = latencies.iter().sum();
-        self.calls.push(Call { elements: latencies.len() as u64, elapsed, latencies });
+        self.calls.push(Call { elements, elapsed });
     }
 
     fn summarized(&self) -> &[Call] {
@@ -49,13 +42,56 @@ impl Tally {
         let seconds: f64 = calls.iter().map(|c| c.elapsed.as_secs_f64()).sum();
         (elements > 0 && seconds > 0.0).then(|| elements as f64 / seconds)
     }
+}
 
-    /// The latencies of the summarized calls, sorted.
-    pub fn latencies_sorted(&self) -> Vec<Duration> {
-        let mut latencies: Vec<Duration> = self.summarized().iter().flat_map(|c| c.latencies.iter().copied()).collect();
-        latencies.sort_unstable();
-        latencies
+/// Which side of a comparison a run belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The engine's path (the `EventLog` trait, the gateway).
+    Engine,
+    /// The raw baseline it is built on (sled, async-nats).
+    Raw,
+}
+
+/// Durations of the runs of both sides of an interleaved comparison.
+pub struct Interleaved {
+    pub engine: Vec<Duration>,
+    pub raw: Vec<Duration>,
+}
+
+/// Runs `rounds` rounds of one engine run and one raw run, alternating which goes first, so both
+/// sides are measured on the same machine state (other processes, disk, server) within a
+/// fraction of a second of each other.
+pub fn interleave(rounds: usize, mut run: impl FnMut(Side) -> Duration) -> Interleaved {
+    let mut runs = Interleaved { engine: Vec::with_capacity(rounds), raw: Vec::with_capacity(rounds) };
+    for round in 0..rounds {
+        let order = if round % 2 == 0 { [Side::Engine, Side::Raw] } else { [Side::Raw, Side::Engine] };
+        for side in order {
+            let elapsed = run(side);
+            match side {
+                Side::Engine => runs.engine.push(elapsed),
+                Side::Raw => runs.raw.push(elapsed),
+            }
+        }
     }
+    runs
+}
+
+/// The median of durations (zero when empty).
+pub fn median(durations: &[Duration]) -> Duration {
+    let mut sorted = durations.to_vec();
+    sorted.sort_unstable();
+    percentile(&sorted, 50.0)
+}
+
+/// On-CPU time of the calling thread so far, from `/proc/thread-self/schedstat` (Linux, ns).
+/// Unlike wall time it leaves out time other processes had the core, which on a shared 2-core
+/// machine (other builds running) is most of the noise of a single-threaded benchmark. `None`
+/// where the file is missing.
+pub fn thread_cpu_time() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let nanos: u64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
 }
 
 /// The `p`-th percentile (0..=100) of sorted durations, nearest rank.

@@ -11,15 +11,14 @@
 //!
 //! The baseline is one JetStream publish awaiting its ack (same server, its own stream, a
 //! payload the size of an encoded send request with a `Nats-Msg-Id`), timed the same way.
+//! Criterion measures each on its own; the printed percentiles come from a second phase that
+//! alternates one send and one publish, so both see the same machine.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anima_engine::testing::NatsServer;
-use anima_gateway::api::{
-    self, ingest_client::IngestClient, sends_client::SendsClient, wakes_client::WakesClient,
-};
-use anima_gateway::config::{AgentConfig, Config};
+use anima_gateway::api::{self, ingest_client::IngestClient, sends_client::SendsClient, wakes_client::WakesClient};
+use anima_gateway::config::Config;
 use anima_gateway::server::RunningServer;
 use anima_projections::proto::{self, envelope::Payload};
 use bytes::Bytes;
@@ -28,7 +27,7 @@ use prost::Message;
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
-use crate::measure::{micros, percentile, Tally};
+use crate::measure::{interleave, micros, percentile, Side};
 
 const AGENT: &str = "agent-bench";
 const TEAM: &str = "T0AB12CD3";
@@ -38,6 +37,9 @@ const HUMAN: &str = "U00000042";
 const MESSAGES_BEFORE: usize = 5;
 /// Every this many sends, one is preceded by a new human message and is held.
 const HELD_EVERY: u64 = 4;
+/// Interleaved send/publish pairs behind the printed percentiles (`--test`: a few).
+const ROUNDS: usize = 1_000;
+const QUICK_ROUNDS: usize = 8;
 /// The baseline's own stream, so its publishes never reach the engine's fold.
 const RAW_STREAM: &str = "BENCH_RAW";
 const RAW_SUBJECT: &str = "bench.raw.send";
@@ -50,7 +52,6 @@ struct SendFixture {
     server: RunningServer,
     sends_made: u64,
     messages_made: u64,
-    held: u64,
     raw_made: u64,
     _data: tempfile::TempDir,
     // Dropped last: stops nats-server.
@@ -71,16 +72,23 @@ impl SendFixture {
     async fn start() -> SendFixture {
         let nats = NatsServer::start();
         let data = tempfile::Builder::new().prefix("anima-bench-gateway-").tempdir().expect("temporary directory");
-        let mut config = Config::default();
-        config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-        config.data = data.path().join("engine");
-        config.nats = Some(nats.url());
-        config.agents = vec![AgentConfig {
-            id: AGENT.into(),
-            slack_bot_user_id: "UBENCH001".into(),
-            slack_bot_id: "BBENCH001".into(),
-            display_name: "Bench agent".into(),
-        }];
+        // Written as an operator would, so fields the config gains later keep their defaults.
+        let config: Config = toml::from_str(&format!(
+            r#"
+            listen = "127.0.0.1:0"
+            data = {data:?}
+            nats = {nats:?}
+
+            [[agents]]
+            id = "{AGENT}"
+            slack_bot_user_id = "UBENCH001"
+            slack_bot_id = "BBENCH001"
+            display_name = "Bench agent"
+            "#,
+            data = data.path().join("engine").display().to_string(),
+            nats = nats.url(),
+        ))
+        .expect("the benchmark's gateway config parses");
         let server = anima_gateway::server::start(config).await.expect("start the gateway");
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr))
             .expect("endpoint")
@@ -120,7 +128,6 @@ impl SendFixture {
             server,
             sends_made: 0,
             messages_made: 0,
-            held: 0,
             raw_made: 0,
             _data: data,
             _nats: nats,
@@ -183,8 +190,9 @@ impl SendFixture {
             .expect("ingest a DM message");
     }
 
-    /// One timed `Send`; a held send first gets a new message in the DM (untimed).
-    async fn timed_send(&mut self) -> Duration {
+    /// One timed `Send`, and whether it was held; a held send first gets a new message in the DM
+    /// (untimed).
+    async fn timed_send(&mut self) -> (Duration, bool) {
         self.sends_made += 1;
         let expect_held = self.sends_made % HELD_EVERY == 0;
         if expect_held {
@@ -202,8 +210,7 @@ impl SendFixture {
         let elapsed = started.elapsed();
         let held = matches!(response.verdict, Some(api::send_response::Verdict::Held(_)));
         assert_eq!(held, expect_held, "send {} verdict {:?}", self.sends_made, response.verdict);
-        self.held += u64::from(held);
-        elapsed
+        (elapsed, held)
     }
 
     /// One timed JetStream publish awaiting its ack.
@@ -225,71 +232,77 @@ impl SendFixture {
     }
 }
 
-/// Records `latencies` and returns their sum, criterion's measured time.
-fn record(tally: &mut Tally, latencies: Vec<Duration>) -> Duration {
-    let total = latencies.iter().sum();
-    tally.record_latencies(latencies);
-    total
-}
-
-/// Send decisions against raw JetStream round trips. Returns the summary line.
-pub fn bench(c: &mut Criterion, runtime: &Runtime) -> Option<String> {
+/// Send decisions against raw JetStream round trips. Returns the summary line, or `None` when
+/// filtered out.
+pub fn bench(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Option<String> {
     let mut group = c.benchmark_group("send_decision");
     group.sampling_mode(SamplingMode::Flat);
     let mut fixture: Option<SendFixture> = None;
-    let mut sends = Tally::default();
     group.bench_function("grpc_send_loopback_jetstream", |b| {
         let fixture = fixture.get_or_insert_with(|| runtime.block_on(SendFixture::start()));
         b.iter_custom(|iters| {
-            let latencies = runtime.block_on(async {
-                let mut latencies = Vec::with_capacity(iters as usize);
+            runtime.block_on(async {
+                let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    latencies.push(fixture.timed_send().await);
+                    total += fixture.timed_send().await.0;
                 }
-                latencies
-            });
-            record(&mut sends, latencies)
+                total
+            })
         });
     });
-    let mut publishes = Tally::default();
     group.bench_function("raw_jetstream_publish_ack", |b| {
         let fixture = fixture.get_or_insert_with(|| runtime.block_on(SendFixture::start()));
         b.iter_custom(|iters| {
-            let latencies = runtime.block_on(async {
-                let mut latencies = Vec::with_capacity(iters as usize);
+            runtime.block_on(async {
+                let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    latencies.push(fixture.timed_publish().await);
+                    total += fixture.timed_publish().await;
                 }
-                latencies
-            });
-            record(&mut publishes, latencies)
+                total
+            })
         });
     });
     group.finish();
-    let held = fixture.as_ref().map_or(0, |f| f.held);
-    if let Some(fixture) = fixture {
-        let SendFixture { sends, ingest, server, .. } = fixture;
-        // Close the client's connection first: shutdown waits for open connections.
-        drop((sends, ingest));
-        runtime.block_on(server.shutdown()).expect("gateway shutdown");
-    }
+    let mut fixture = fixture?;
 
-    let (sends, publishes) = (sends.latencies_sorted(), publishes.latencies_sorted());
-    if sends.is_empty() || publishes.is_empty() {
-        return None;
+    // The percentiles come from sends and publishes interleaved one by one.
+    let rounds = if quick { QUICK_ROUNDS } else { ROUNDS };
+    let mut held = Vec::new();
+    let mut allowed = Vec::new();
+    let mut runs = interleave(rounds, |side| match side {
+        Side::Engine => {
+            let (elapsed, was_held) = runtime.block_on(fixture.timed_send());
+            if was_held { &mut held } else { &mut allowed }.push(elapsed);
+            elapsed
+        }
+        Side::Raw => runtime.block_on(fixture.timed_publish()),
+    });
+    let SendFixture { sends, ingest, server, .. } = fixture;
+    // Close the client's connection first: shutdown waits for open connections.
+    drop((sends, ingest));
+    runtime.block_on(server.shutdown()).expect("gateway shutdown");
+
+    for latencies in [&mut runs.engine, &mut runs.raw, &mut held, &mut allowed] {
+        latencies.sort_unstable();
     }
-    let (send_p50, send_p99) = (percentile(&sends, 50.0), percentile(&sends, 99.0));
-    let (raw_p50, raw_p99) = (percentile(&publishes, 50.0), percentile(&publishes, 99.0));
+    let p = |sorted: &[Duration], p: f64| micros(percentile(sorted, p));
+    let ratio = |p: f64| percentile(&runs.engine, p).as_secs_f64() / percentile(&runs.raw, p).as_secs_f64();
     Some(format!(
-        "send_decision: p50 {}, p99 {} (n={}, every {HELD_EVERY}th held; {held} held over the whole run), \
+        "send_decision: p50 {}, p99 {} (n={}: {} allowed p50 {} p99 {}, {} held p50 {} p99 {}), \
          raw JetStream publish+ack: p50 {}, p99 {} (n={}), ratio p50 {:.2}, p99 {:.2}",
-        micros(send_p50),
-        micros(send_p99),
-        sends.len(),
-        micros(raw_p50),
-        micros(raw_p99),
-        publishes.len(),
-        send_p50.as_secs_f64() / raw_p50.as_secs_f64(),
-        send_p99.as_secs_f64() / raw_p99.as_secs_f64(),
+        p(&runs.engine, 50.0),
+        p(&runs.engine, 99.0),
+        runs.engine.len(),
+        allowed.len(),
+        p(&allowed, 50.0),
+        p(&allowed, 99.0),
+        held.len(),
+        p(&held, 50.0),
+        p(&held, 99.0),
+        p(&runs.raw, 50.0),
+        p(&runs.raw, 99.0),
+        runs.raw.len(),
+        ratio(50.0),
+        ratio(99.0),
     ))
 }

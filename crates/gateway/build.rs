@@ -6,7 +6,8 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     println!("cargo:rerun-if-changed={}", root.display());
-    let mut descriptors = protox::compile([root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")], [&root])?;
+    let mut descriptors =
+        protox::compile([root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")], [&root])?;
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("anima_descriptor.bin"), prost::Message::encode_to_vec(&descriptors))?;
     descriptors.file.retain(|f| matches!(f.name(), "anima/v1/api.proto" | "anima/v1/replay.proto"));

@@ -6,7 +6,8 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     println!("cargo:rerun-if-changed={}", root.display());
-    let files = [root.join("anima/v1/events.proto"), root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")];
+    let files =
+        [root.join("anima/v1/events.proto"), root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")];
     let mut compiler = protox::Compiler::new([&root])?;
     compiler.include_imports(true).open_files(&files)?;
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);

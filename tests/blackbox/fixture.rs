@@ -45,11 +45,13 @@ role = "analytics"
 id = "ada"
 slack_bot_user_id = "U0ADA"
 slack_bot_id = "B0ADA"
+chat_user_id = "ou_ada"
 
 [[agents]]
 id = "bob"
 slack_bot_user_id = "U0BOB"
 slack_bot_id = "B0BOB"
+chat_user_id = "ou_bob"
 
 [runner]
 checkpoint_every_events = 50

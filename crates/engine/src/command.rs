@@ -9,8 +9,13 @@ use std::time::Duration;
 use anima_projections::journal::{RowBody, RowMeta};
 use anima_projections::proto::{self, envelope::Payload};
 use anima_projections::render;
-use anima_projections::surface::{slack_message_identity, SurfaceId};
-use anima_projections::verdict::{ClaimVerdict, ClaimedWake, JournalVerdict, Refusal, RefusalKind, SendVerdict, Verdict};
+use anima_projections::surface::{
+    chat_message_identity, linear_receipt_identity, slack_message_identity, LinearReceiptKind, SurfaceId,
+};
+use anima_projections::verdict::{
+    ClaimVerdict, ClaimedWake, JournalVerdict, LinearResponseVerdict, LinearSessionVerdict, Refusal, RefusalKind,
+    SendVerdict, Verdict,
+};
 use bytes::Bytes;
 use prost::Message;
 use uuid::Uuid;
@@ -93,6 +98,38 @@ pub struct SlackObservation {
     pub occurred_at_ms: i64,
 }
 
+/// A chat observation as a connector reports it: the message and every agent that received it.
+#[derive(Clone, Debug)]
+pub struct ChatObservation {
+    pub receiving_agent_ids: Vec<String>,
+    /// The message; its `receiving_agent_id` is ignored and set per receiver.
+    pub message: proto::ChatMessageObserved,
+    pub occurred_at_ms: i64,
+}
+
+/// A Linear agent-session event as a connector reports it (its `receiving_agent_id` names the
+/// agent whose app received it).
+#[derive(Clone, Debug)]
+pub struct LinearObservation {
+    pub event: proto::LinearSessionEvent,
+    pub occurred_at_ms: i64,
+}
+
+/// What one appended Linear session event became.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearIngestOutcome {
+    pub seq: u64,
+    pub duplicate_event: bool,
+    pub verdict: LinearSessionVerdict,
+}
+
+/// A Linear response request or outcome as the fold decided it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearResponseDecision {
+    pub seq: u64,
+    pub verdict: LinearResponseVerdict,
+}
+
 /// What one appended observation became.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IngestOutcome {
@@ -172,7 +209,11 @@ impl Engine {
         }
     }
 
-    async fn append_and_decide(&self, subject: String, envelope: &proto::Envelope) -> Result<(AppendOutcome, Verdict), CommandError> {
+    async fn append_and_decide(
+        &self,
+        subject: String,
+        envelope: &proto::Envelope,
+    ) -> Result<(AppendOutcome, Verdict), CommandError> {
         let outcome = self.log.append(Self::record(subject, envelope)).await?;
         let verdict = self.verdict_at(outcome.seq()).await?;
         Ok((outcome, verdict))
@@ -197,8 +238,10 @@ impl Engine {
         validate::slack_id("slack_bot_user_id", &registration.slack_bot_user_id, false)?;
         validate::slack_id("slack_bot_id", &registration.slack_bot_id, false)?;
         validate::bounded("display_name", &registration.display_name, validate::USER_NAME_BYTES_MAX)?;
+        validate::chat_id("chat_user_id", &registration.chat_user_id, false)?;
         // Same registration content, same id: instances starting with one config dedupe.
-        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, &[b"agent\0".as_slice(), &registration.encode_to_vec()].concat());
+        let event_id =
+            Uuid::new_v5(&EVENT_ID_NAMESPACE, &[b"agent\0".as_slice(), &registration.encode_to_vec()].concat());
         let envelope = self.envelope(event_id.to_string(), 0, Payload::AgentRegistered(registration.clone()));
         let (outcome, _) = self.append_and_decide(subject::agent_subject(&registration.agent_id), &envelope).await?;
         Ok(outcome.seq())
@@ -214,6 +257,7 @@ impl Engine {
                 c.slack_bot_user_id == registration.slack_bot_user_id
                     && c.slack_bot_id == registration.slack_bot_id
                     && c.display_name == registration.display_name
+                    && c.chat_user_id == registration.chat_user_id
             });
             if !same {
                 self.register_agent(registration.clone()).await?;
@@ -227,15 +271,7 @@ impl Engine {
     /// receiver) so connector retries dedupe in the log.
     pub async fn ingest_slack(&self, observation: SlackObservation) -> Result<Vec<IngestOutcome>, CommandError> {
         let message = &observation.message;
-        if observation.receiving_agent_ids.is_empty() {
-            return Err(invalid("receiving_agent_ids", "must name at least one agent"));
-        }
-        if observation.receiving_agent_ids.len() > validate::RECEIVERS_MAX {
-            return Err(CommandError::TooLarge { field: "receiving_agent_ids", reason: format!("at most {}", validate::RECEIVERS_MAX) });
-        }
-        for agent in &observation.receiving_agent_ids {
-            self.require_agent("receiving_agent_ids", agent)?;
-        }
+        self.check_receivers(&observation.receiving_agent_ids)?;
         let kind = proto::SlackDeliveryKind::try_from(message.kind)
             .ok()
             .filter(|k| *k != proto::SlackDeliveryKind::Unspecified)
@@ -253,7 +289,7 @@ impl Engine {
 
         let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-        let subject = subject::slack_surface_subject(&message.team_id, &message.channel_id, surface.thread_ts());
+        let subject = surface_subject(&surface);
         let mut records = Vec::with_capacity(observation.receiving_agent_ids.len());
         for agent in &observation.receiving_agent_ids {
             let key = format!("slack-message\0{identity}\0{}\0{agent}", kind.as_str_name());
@@ -262,6 +298,31 @@ impl Engine {
             let envelope = self.envelope(event_id, observation.occurred_at_ms, Payload::SlackMessage(observed));
             records.push((agent.clone(), Self::record(subject.clone(), &envelope)));
         }
+        self.append_observations(records).await
+    }
+
+    fn check_receivers(&self, receiving_agent_ids: &[String]) -> Result<(), CommandError> {
+        if receiving_agent_ids.is_empty() {
+            return Err(invalid("receiving_agent_ids", "must name at least one agent"));
+        }
+        if receiving_agent_ids.len() > validate::RECEIVERS_MAX {
+            return Err(CommandError::TooLarge {
+                field: "receiving_agent_ids",
+                reason: format!("at most {}", validate::RECEIVERS_MAX),
+            });
+        }
+        for agent in receiving_agent_ids {
+            self.require_agent("receiving_agent_ids", agent)?;
+        }
+        Ok(())
+    }
+
+    /// Appends one observation per receiving agent (pipelined when there are several) and waits
+    /// for the fold's journal verdict of each.
+    async fn append_observations(
+        &self,
+        records: Vec<(String, AppendRecord)>,
+    ) -> Result<Vec<IngestOutcome>, CommandError> {
         let outcomes = if records.len() == 1 {
             vec![self.log.append(records[0].1.clone()).await?]
         } else {
@@ -278,14 +339,171 @@ impl Engine {
         Ok(results)
     }
 
-    fn target_surface(target: Option<&proto::ReplyTarget>) -> Result<SurfaceId, CommandError> {
-        let Some(proto::ReplyTarget { target: Some(proto::reply_target::Target::Slack(slack)) }) = target else {
-            return Err(invalid("target", "must be a Slack target"));
+    /// Appends one chat observation per receiving agent, with ids derived from (identity,
+    /// receiver) so connector retries dedupe in the log.
+    pub async fn ingest_chat(&self, observation: ChatObservation) -> Result<Vec<IngestOutcome>, CommandError> {
+        let message = &observation.message;
+        self.check_receivers(&observation.receiving_agent_ids)?;
+        validate::chat_id("tenant_id", &message.tenant_id, true)?;
+        validate::chat_id("chat_id", &message.chat_id, true)?;
+        if anima_projections::surface::ChatKind::from_proto(message.chat_kind).is_none() {
+            return Err(invalid("chat_kind", "must be P2P or GROUP"));
+        }
+        validate::chat_id("message_id", &message.message_id, true)?;
+        validate::chat_id("thread_id", &message.thread_id, false)?;
+        validate::chat_id("sender_id", &message.sender_id, true)?;
+        validate::bounded("sender_name", &message.sender_name, validate::USER_NAME_BYTES_MAX)?;
+        validate::slack_text("text", &message.text)?;
+        validate::files("files", &message.files)?;
+        if message.mentioned_user_ids.len() > validate::CHAT_MENTIONS_MAX {
+            return Err(CommandError::TooLarge {
+                field: "mentioned_user_ids",
+                reason: format!("{} ids; at most {}", message.mentioned_user_ids.len(), validate::CHAT_MENTIONS_MAX),
+            });
+        }
+        for user in &message.mentioned_user_ids {
+            validate::chat_id("mentioned_user_ids", user, true)?;
+        }
+
+        let identity = chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id);
+        let surface =
+            SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
+        let subject = surface_subject(&surface);
+        let mut records = Vec::with_capacity(observation.receiving_agent_ids.len());
+        for agent in &observation.receiving_agent_ids {
+            let key = format!("chat-message\0{identity}\0{agent}");
+            let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+            let observed = proto::ChatMessageObserved { receiving_agent_id: agent.clone(), ..message.clone() };
+            let envelope = self.envelope(event_id, observation.occurred_at_ms, Payload::ChatMessage(observed));
+            records.push((agent.clone(), Self::record(subject.clone(), &envelope)));
+        }
+        self.append_observations(records).await
+    }
+
+    /// Appends a Linear session event. Created and prompted events get ids derived from their
+    /// receipt identity and receiver, so connector retries dedupe in the log (and the fold keeps
+    /// the first receipt); a stop's id is derived from the session, receiver and source time.
+    pub async fn ingest_linear(&self, observation: LinearObservation) -> Result<LinearIngestOutcome, CommandError> {
+        let event = &observation.event;
+        self.require_agent("receiving_agent_id", &event.receiving_agent_id)?;
+        validate::chat_id("installation_id", &event.installation_id, true)?;
+        validate::linear_session_id("session_id", &event.session_id)?;
+        let kind = proto::LinearSessionEventKind::try_from(event.kind)
+            .ok()
+            .filter(|k| *k != proto::LinearSessionEventKind::Unspecified)
+            .ok_or_else(|| invalid("kind", "must be CREATED, PROMPTED or STOP"))?;
+        let prompted = kind == proto::LinearSessionEventKind::Prompted;
+        validate::chat_id("agent_activity_id", &event.agent_activity_id, prompted)?;
+        validate::bounded("agent_activity_id", &event.agent_activity_id, validate::LINEAR_ID_BYTES_MAX)?;
+        validate::bounded("issue_identifier", &event.issue_identifier, validate::LINEAR_ID_BYTES_MAX)?;
+        validate::bounded("issue_url", &event.issue_url, validate::LINEAR_URL_BYTES_MAX)?;
+        validate::bounded("issue_title", &event.issue_title, validate::LINEAR_TITLE_BYTES_MAX)?;
+        validate::linear_text("prompt_text", &event.prompt_text)?;
+        let agent = &event.receiving_agent_id;
+        let key = match kind {
+            proto::LinearSessionEventKind::Created => {
+                let receipt =
+                    linear_receipt_identity(&event.installation_id, LinearReceiptKind::Created, &event.session_id);
+                format!("linear-session\0{receipt}\0{agent}")
+            }
+            proto::LinearSessionEventKind::Prompted => {
+                let receipt = linear_receipt_identity(
+                    &event.installation_id,
+                    LinearReceiptKind::Prompted,
+                    &event.agent_activity_id,
+                );
+                format!("linear-session\0{receipt}\0{agent}")
+            }
+            _ => format!(
+                "linear-stop\0{}\0{}\0{agent}\0{}",
+                event.installation_id, event.session_id, observation.occurred_at_ms
+            ),
         };
-        validate::slack_id("target.team_id", &slack.team_id, true)?;
-        validate::slack_id("target.channel_id", &slack.channel_id, true)?;
-        validate::slack_ts("target.thread_ts", &slack.thread_ts, false)?;
-        SurfaceId::from_target(target.expect("checked above")).ok_or_else(|| invalid("target", "is empty"))
+        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+        let envelope = self.envelope(event_id, observation.occurred_at_ms, Payload::LinearSession(event.clone()));
+        let subject = subject::linear_session_subject(&event.session_id);
+        let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
+        let Verdict::LinearSession(verdict) = verdict else { return Err(unexpected(verdict)) };
+        Ok(LinearIngestOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
+    }
+
+    /// Asks to answer a Linear session (DESIGN §4.8): returns the activity id the fold generated
+    /// for this response's key (the earlier one for a repeat) and its state.
+    pub async fn respond_linear(
+        &self,
+        request: proto::LinearResponseRequested,
+        request_id: &str,
+    ) -> Result<LinearResponseDecision, CommandError> {
+        self.require_agent("agent_id", &request.agent_id)?;
+        validate::linear_session_id("session_id", &request.session_id)?;
+        proto::LinearResponseKind::try_from(request.kind)
+            .ok()
+            .filter(|k| *k != proto::LinearResponseKind::Unspecified)
+            .ok_or_else(|| invalid("kind", "must be THOUGHT, ACTION, ELICITATION, RESPONSE or ERROR"))?;
+        validate::linear_text("body", &request.body)?;
+        if request.input_ids.len() > anima_projections::linear::LINEAR_RESPONSE_INPUTS_MAX {
+            return Err(CommandError::TooLarge {
+                field: "input_ids",
+                reason: format!(
+                    "{} ids; at most {}",
+                    request.input_ids.len(),
+                    anima_projections::linear::LINEAR_RESPONSE_INPUTS_MAX
+                ),
+            });
+        }
+        for input in &request.input_ids {
+            validate::bounded("input_ids", input, validate::ITEM_ID_BYTES_MAX)?;
+            if input.is_empty() {
+                return Err(invalid("input_ids", "must not hold an empty id"));
+            }
+        }
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::LinearResponse(request.clone()));
+        let subject = subject::linear_session_subject(&request.session_id);
+        let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
+        let Verdict::LinearResponse(verdict) = verdict else { return Err(unexpected(verdict)) };
+        Ok(LinearResponseDecision { seq: outcome.seq(), verdict })
+    }
+
+    /// Records what became of a Linear response the runtime sent: accepted or unknown.
+    pub async fn confirm_linear_response(
+        &self,
+        outcome: proto::LinearResponseOutcome,
+        request_id: &str,
+    ) -> Result<LinearResponseDecision, CommandError> {
+        self.require_agent("agent_id", &outcome.agent_id)?;
+        validate::linear_session_id("activity_id", &outcome.activity_id)?;
+        proto::LinearResponseResult::try_from(outcome.result)
+            .ok()
+            .filter(|r| *r != proto::LinearResponseResult::Unspecified)
+            .ok_or_else(|| invalid("result", "must be ACCEPTED or UNKNOWN"))?;
+        let event_id = Self::request_event_id(request_id)?;
+        let envelope = self.envelope(event_id, 0, Payload::LinearResponseOutcome(outcome.clone()));
+        let (appended, verdict) = self.append_and_decide(subject::agent_subject(&outcome.agent_id), &envelope).await?;
+        let Verdict::LinearResponse(verdict) = verdict else { return Err(unexpected(verdict)) };
+        Ok(LinearResponseDecision { seq: appended.seq(), verdict })
+    }
+
+    fn target_surface(target: Option<&proto::ReplyTarget>) -> Result<SurfaceId, CommandError> {
+        let Some(reply_target @ proto::ReplyTarget { target: Some(inner) }) = target else {
+            return Err(invalid("target", "must be a Slack or a chat target"));
+        };
+        match inner {
+            proto::reply_target::Target::Slack(slack) => {
+                validate::slack_id("target.team_id", &slack.team_id, true)?;
+                validate::slack_id("target.channel_id", &slack.channel_id, true)?;
+                validate::slack_ts("target.thread_ts", &slack.thread_ts, false)?;
+            }
+            proto::reply_target::Target::Chat(chat) => {
+                validate::chat_id("target.tenant_id", &chat.tenant_id, true)?;
+                validate::chat_id("target.chat_id", &chat.chat_id, true)?;
+                validate::chat_id("target.thread_id", &chat.thread_id, false)?;
+            }
+            proto::reply_target::Target::Linear(linear) => {
+                validate::linear_session_id("target.session_id", &linear.session_id)?;
+            }
+        }
+        SurfaceId::from_target(reply_target).ok_or_else(|| invalid("target", "is empty"))
     }
 
     fn send_kind(kind: i32) -> Result<proto::SendKind, CommandError> {
@@ -310,7 +528,8 @@ impl Engine {
             SendVerdict::Allowed { .. } => None,
             SendVerdict::Held(held) => {
                 let bodies = self.row_bodies(&held.shown).await?;
-                let rows: Vec<(&RowMeta, &RowBody)> = held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
+                let rows: Vec<(&RowMeta, &RowBody)> =
+                    held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
                 Some(render::render_held_notice(&request.agent_id, held.new_messages, held.omitted, &rows))
             }
         };
@@ -321,7 +540,12 @@ impl Engine {
         let seqs: Vec<u64> = rows.iter().map(|r| r.seq).collect();
         let bodies = self.projection.bodies(&seqs).await?;
         seqs.iter()
-            .map(|seq| bodies.get(seq).cloned().ok_or_else(|| CommandError::FailedPrecondition(format!("body of seq {seq} missing"))))
+            .map(|seq| {
+                bodies
+                    .get(seq)
+                    .cloned()
+                    .ok_or_else(|| CommandError::FailedPrecondition(format!("body of seq {seq} missing")))
+            })
             .collect()
     }
 
@@ -330,7 +554,14 @@ impl Engine {
         self.require_agent("agent_id", &confirmation.agent_id)?;
         let surface = Self::target_surface(confirmation.target.as_ref())?;
         let kind = Self::send_kind(confirmation.kind)?;
-        validate::slack_ts("ts", &confirmation.ts, true)?;
+        match surface {
+            SurfaceId::Slack { .. } => validate::slack_ts("ts", &confirmation.ts, true)?,
+            // The chat platform's message id travels in `ts` (the API's `message_id`).
+            SurfaceId::Chat { .. } => validate::chat_id("message_id", &confirmation.ts, true)?,
+            SurfaceId::Linear { .. } => {
+                return Err(invalid("target", "a Linear response is confirmed with Sends.ConfirmResponse"))
+            }
+        }
         validate::slack_text("text", &confirmation.text)?;
         validate::files("files", &confirmation.files)?;
         let key = format!("confirm\0{}\0{surface}\0{}\0{}", confirmation.agent_id, confirmation.ts, kind.as_str_name());
@@ -338,15 +569,24 @@ impl Engine {
         let envelope = self.envelope(event_id, 0, Payload::SendConfirmed(confirmation.clone()));
         let (outcome, verdict) = self.append_and_decide(surface_subject(&surface), &envelope).await?;
         let Verdict::Journaled(journal) = verdict else { return Err(unexpected(verdict)) };
-        Ok(IngestOutcome { agent: confirmation.agent_id, seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), journal })
+        Ok(IngestOutcome {
+            agent: confirmation.agent_id,
+            seq: outcome.seq(),
+            duplicate_event: outcome.is_duplicate(),
+            journal,
+        })
     }
 
     /// Claims the agent's oldest claimable wake (or a named one) for a worker.
-    pub async fn claim(&self, request: proto::WakeClaimRequested, request_id: &str) -> Result<ClaimOutcome, CommandError> {
+    pub async fn claim(
+        &self,
+        request: proto::WakeClaimRequested,
+        request_id: &str,
+    ) -> Result<ClaimOutcome, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
         if !request.item_id.is_empty() {
-            validate::bounded("item_id", &request.item_id, 512)?;
+            validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         }
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::WakeClaim(request.clone()));
@@ -378,9 +618,11 @@ impl Engine {
     pub async fn start(&self, request: proto::WakeStartRequested, request_id: &str) -> Result<u64, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
-        validate::bounded("item_id", &request.item_id, 512)?;
-        if request.plan.is_empty() || request.plan.len() > 16 {
-            return Err(invalid("plan", "must hold the 1..=16 surfaces the claim gave"));
+        validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
+        // A Linear wake's plan is empty (a session has no journal); the fold accepts only the
+        // plan the claim prepared, so an empty plan for any other wake is refused there.
+        if request.plan.len() > 16 {
+            return Err(invalid("plan", "must hold the 0..=16 surfaces the claim gave"));
         }
         for entry in &request.plan {
             if SurfaceId::parse(&entry.surface).is_none() {
@@ -397,17 +639,23 @@ impl Engine {
     }
 
     /// Finishes a claimed or running wake.
-    pub async fn finish(&self, request: proto::WakeFinishRequested, request_id: &str) -> Result<(u64, bool), CommandError> {
+    pub async fn finish(
+        &self,
+        request: proto::WakeFinishRequested,
+        request_id: &str,
+    ) -> Result<(u64, bool), CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
-        validate::bounded("item_id", &request.item_id, 512)?;
+        validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         validate::bounded("reason", &request.reason, validate::REASON_BYTES_MAX)?;
         match proto::WakeOutcome::try_from(request.outcome) {
             Ok(proto::WakeOutcome::Unspecified) | Err(_) => {
                 return Err(invalid("outcome", "must be COMPLETED, FAILED or ABORTED"))
             }
             Ok(proto::WakeOutcome::Aborted) => {}
-            Ok(_) if request.restart_drain => return Err(invalid("restart_drain", "only an ABORTED finish can be a restart drain")),
+            Ok(_) if request.restart_drain => {
+                return Err(invalid("restart_drain", "only an ABORTED finish can be a restart drain"))
+            }
             Ok(_) => {}
         }
         let event_id = Self::request_event_id(request_id)?;
@@ -426,7 +674,7 @@ impl Engine {
     pub async fn heartbeat(&self, request: proto::WakeHeartbeat) -> Result<bool, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
-        validate::bounded("item_id", &request.item_id, 512)?;
+        validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         let key = (request.agent_id.clone(), request.item_id.clone());
         {
             let mut heartbeats = self.heartbeats.lock().unwrap_or_else(|p| p.into_inner());
@@ -446,20 +694,33 @@ impl Engine {
         }
     }
 
-    /// Mutes or unmutes a channel (no thread ts) or a thread for the agent.
+    /// Mutes or unmutes a Slack channel (no thread ts) or thread, or a chat (no thread id) or one
+    /// of its threads, for the agent.
     pub async fn change_subscription(
         &self,
         agent_id: &str,
-        target: Option<proto::SlackTarget>,
+        target: Option<proto::ReplyTarget>,
         mute: bool,
         request_id: &str,
     ) -> Result<u64, CommandError> {
         self.require_agent("agent_id", agent_id)?;
-        let target = target.ok_or_else(|| invalid("target", "must name a channel or a thread"))?;
-        let reply_target = proto::ReplyTarget { target: Some(proto::reply_target::Target::Slack(target.clone())) };
-        Self::target_surface(Some(&reply_target))?;
+        let target = target.ok_or_else(|| invalid("target", "must name a channel, a chat or a thread"))?;
+        Self::target_surface(Some(&target))?;
         let event_id = Self::request_event_id(request_id)?;
-        let request = proto::SubscriptionChangeRequested { agent_id: agent_id.to_owned(), target: Some(target), mute };
+        let (slack, chat) = match target.target {
+            Some(proto::reply_target::Target::Slack(slack)) => (Some(slack), None),
+            Some(proto::reply_target::Target::Chat(chat)) => (None, Some(chat)),
+            Some(proto::reply_target::Target::Linear(_)) => {
+                return Err(invalid("target", "a Linear session cannot be muted"))
+            }
+            None => (None, None),
+        };
+        let request = proto::SubscriptionChangeRequested {
+            agent_id: agent_id.to_owned(),
+            target: slack,
+            mute,
+            chat_target: chat,
+        };
         let envelope = self.envelope(event_id, 0, Payload::SubscriptionChange(request));
         let (outcome, verdict) = self.append_and_decide(subject::agent_subject(agent_id), &envelope).await?;
         match verdict {
@@ -480,7 +741,9 @@ impl Engine {
                 .iter()
                 .filter_map(|(agent, queue)| queue.active.as_ref().map(|active| (agent, active)))
                 .filter(|(_, active)| active.started_seq.is_some())
-                .filter(|(_, active)| now_ns.saturating_sub(active.last_alive_ns) >= anima_projections::wake::HEARTBEAT_SILENCE_NS)
+                .filter(|(_, active)| {
+                    now_ns.saturating_sub(active.last_alive_ns) >= anima_projections::wake::HEARTBEAT_SILENCE_NS
+                })
                 .map(|(agent, active)| (agent.clone(), active.item.id.clone(), active.last_alive_ns))
                 .collect()
         };
@@ -523,8 +786,13 @@ pub async fn run_recovery_loop(engine: Engine, interval: Duration, shutdown: tok
 
 /// The log subject of a surface.
 pub fn surface_subject(surface: &SurfaceId) -> String {
-    let SurfaceId::Slack { team, channel, thread_ts } = surface;
-    subject::slack_surface_subject(team, channel, thread_ts.as_deref())
+    match surface {
+        SurfaceId::Slack { team, channel, thread_ts } => {
+            subject::slack_surface_subject(team, channel, thread_ts.as_deref())
+        }
+        SurfaceId::Chat { tenant, chat, thread } => subject::chat_surface_subject(tenant, chat, thread.as_deref()),
+        SurfaceId::Linear { session } => subject::linear_session_subject(session),
+    }
 }
 
 fn unexpected(verdict: Verdict) -> CommandError {

@@ -448,8 +448,11 @@ impl Replayer {
         if seq == 0 {
             return Err(invalid("seq", "sequences start at 1"));
         }
-        let record =
-            self.log.get(seq).await?.ok_or_else(|| ReplayError::NotFound(format!("no event is stored at seq {seq}")))?;
+        let record = self
+            .log
+            .get(seq)
+            .await?
+            .ok_or_else(|| ReplayError::NotFound(format!("no event is stored at seq {seq}")))?;
         let mut before = self.rebuild_to(seq - 1, false).await?;
         let event_type = Redactor::schema().event_type(&record.payload);
         let mut explanation = Explanation {
@@ -855,10 +858,7 @@ impl DirectSource {
 
     /// A JetStream stream, read directly; `data_dir` (optional) holds its checkpoint for
     /// `verify`. Refuses a missing stream instead of creating it.
-    pub async fn open_jetstream(
-        config: JetStreamConfig,
-        data_dir: Option<&Path>,
-    ) -> Result<DirectSource, ReplayError> {
+    pub async fn open_jetstream(config: JetStreamConfig, data_dir: Option<&Path>) -> Result<DirectSource, ReplayError> {
         let client = async_nats::ConnectOptions::new()
             .name("anima-wake-replay")
             .connection_timeout(config.request_timeout)
@@ -883,9 +883,10 @@ impl DirectSource {
     /// Rebuilds the state from the log up to the checkpoint's applied sequence and compares
     /// it, entry by entry and as canonical bytes, with the checkpoint in the data dir.
     pub async fn verify(&self, config: ReplayConfig) -> Result<VerifyReport, ReplayError> {
-        let (db, tree_name) = self.checkpoint.as_ref().ok_or_else(|| {
-            ReplayError::Source("no data dir with a checkpoint was opened (pass --data)".to_owned())
-        })?;
+        let (db, tree_name) = self
+            .checkpoint
+            .as_ref()
+            .ok_or_else(|| ReplayError::Source("no data dir with a checkpoint was opened (pass --data)".to_owned()))?;
         if !db.tree_names().iter().any(|name| name.as_ref() == tree_name.as_bytes()) {
             return Err(ReplayError::Source(format!("the data dir has no checkpoint tree {tree_name}")));
         }

@@ -148,6 +148,23 @@ pub fn slack_surface_subject(team: &str, channel: &str, thread_ts: Option<&str>)
     subject
 }
 
+/// Subject of one chat surface (DESIGN §4.1): a chat's top level,
+/// `anima.v1.surface.chat.<tenant>.<chat>`, or one thread,
+/// `anima.v1.surface.chat.<tenant>.<chat>.thread.<thread>`. Every id is encoded.
+pub fn chat_surface_subject(tenant: &str, chat: &str, thread: Option<&str>) -> String {
+    let mut subject = format!("anima.v1.surface.chat.{}.{}", encode_token(tenant), encode_token(chat));
+    if let Some(thread) = thread {
+        subject.push_str(".thread.");
+        subject.push_str(&encode_token(thread));
+    }
+    subject
+}
+
+/// Subject of one Linear agent session: `anima.v1.linear.<session>`, the session id encoded.
+pub fn linear_session_subject(session: &str) -> String {
+    format!("anima.v1.linear.{}", encode_token(session))
+}
+
 /// Subject of one agent's own events (wake lifecycle, subscriptions, memory-pass outcomes,
 /// registration): `anima.v1.agent.<agent>`, the agent id encoded.
 pub fn agent_subject(agent: &str) -> String {
@@ -201,6 +218,14 @@ mod tests {
             "anima.v1.surface.slack.T1.C1.thread.1712345678_2E123456"
         );
         assert_eq!(agent_subject("agent.one"), "anima.v1.agent.agent_2Eone");
+        assert_eq!(chat_surface_subject("t1", "oc_1", None), "anima.v1.surface.chat.t1.oc_5F1");
+        assert_eq!(
+            chat_surface_subject("t1", "!room:matrix.org", Some("$ev.1")),
+            "anima.v1.surface.chat.t1._21room_3Amatrix_2Eorg.thread._24ev_2E1"
+        );
+        // The longest chat ids the engine accepts, all escaped, still fit a subject.
+        let long = "%".repeat(crate::validate::CHAT_ID_BYTES_MAX);
+        assert_eq!(check_subject(&chat_surface_subject(&long, &long, Some(&long))), Ok(()));
         assert_eq!(check_subject(CONFIG_SUBJECT), Ok(()));
         assert!(crate::log::SubjectFilter(ALL_SUBJECTS.into()).matches(&agent_subject("a")));
     }
@@ -259,6 +284,9 @@ mod tests {
             let surface = slack_surface_subject(&team, &channel, thread_ts.as_deref());
             prop_assert_eq!(check_subject(&surface), Ok(()));
             prop_assert_eq!(surface.split('.').count(), if thread_ts.is_some() { 8 } else { 6 });
+            let chat = chat_surface_subject(&team, &channel, thread_ts.as_deref());
+            prop_assert_eq!(check_subject(&chat), Ok(()));
+            prop_assert_eq!(chat.split('.').count(), if thread_ts.is_some() { 8 } else { 6 });
             let agent = agent_subject(&agent);
             prop_assert_eq!(check_subject(&agent), Ok(()));
             prop_assert_eq!(agent.split('.').count(), 4);

@@ -16,8 +16,23 @@ pub const SLACK_SUBTYPE_BYTES_MAX: usize = 64;
 pub const USER_NAME_BYTES_MAX: usize = 256;
 pub const FILES_PER_MESSAGE_MAX: usize = 100;
 pub const FILE_NAME_BYTES_MAX: usize = 1_024;
+/// Chat tenant, chat, thread, message, sender and user ids. Three of them, each escaped to at most
+/// three bytes per byte, keep a chat subject within `subject::SUBJECT_BYTES_MAX`.
+pub const CHAT_ID_BYTES_MAX: usize = 96;
+/// Mentioned user ids listed by one chat message.
+pub const CHAT_MENTIONS_MAX: usize = 64;
+/// Wake item ids (message identities, escaped): a chat identity holds three escaped ids.
+pub const ITEM_ID_BYTES_MAX: usize = 1_024;
 /// Receiving agents named by one observation.
 pub const RECEIVERS_MAX: usize = 64;
+/// Linear prompt text and response bodies.
+pub const LINEAR_TEXT_BYTES_MAX: usize = 160_000;
+/// Linear installation ids, issue identifiers and agent activity ids.
+pub const LINEAR_ID_BYTES_MAX: usize = 128;
+/// Linear issue URLs.
+pub const LINEAR_URL_BYTES_MAX: usize = 2_048;
+/// Linear issue titles.
+pub const LINEAR_TITLE_BYTES_MAX: usize = 4_096;
 /// Free-text reasons (finish reasons).
 pub const REASON_BYTES_MAX: usize = 4_096;
 
@@ -50,6 +65,22 @@ pub fn slack_id(field: &'static str, value: &str, required: bool) -> Result<(), 
     Ok(())
 }
 
+/// A chat platform id (tenant, chat, thread, message, sender, user): 1..=96 bytes, no whitespace
+/// or control characters. Any other character is allowed: subjects encode it, surface keys
+/// escape `:`.
+pub fn chat_id(field: &'static str, value: &str, required: bool) -> Result<(), CommandError> {
+    if value.is_empty() {
+        return if required { Err(invalid(field, "must not be empty")) } else { Ok(()) };
+    }
+    if value.len() > CHAT_ID_BYTES_MAX {
+        return Err(invalid(field, format!("must be at most {CHAT_ID_BYTES_MAX} bytes")));
+    }
+    if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(invalid(field, "must not contain whitespace or control characters"));
+    }
+    Ok(())
+}
+
 /// A Slack ts: `<seconds>.<6 digits>`.
 pub fn slack_ts(field: &'static str, value: &str, required: bool) -> Result<(), CommandError> {
     if value.is_empty() && !required {
@@ -60,6 +91,7 @@ pub fn slack_ts(field: &'static str, value: &str, required: bool) -> Result<(), 
         .ok_or_else(|| invalid(field, format!("{value:?} is not a Slack ts like \"1700000000.000100\"")))
 }
 
+/// Message text (Slack's bound, applied to chat text too).
 pub fn slack_text(field: &'static str, value: &str) -> Result<(), CommandError> {
     if value.len() > SLACK_TEXT_BYTES_MAX || value.chars().count() > SLACK_TEXT_CHARS_MAX {
         return Err(CommandError::TooLarge {
@@ -82,10 +114,37 @@ pub fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Comma
 
 pub fn files(field: &'static str, files: &[anima_projections::proto::SlackFile]) -> Result<(), CommandError> {
     if files.len() > FILES_PER_MESSAGE_MAX {
-        return Err(CommandError::TooLarge { field, reason: format!("{} files; at most {FILES_PER_MESSAGE_MAX}", files.len()) });
+        return Err(CommandError::TooLarge {
+            field,
+            reason: format!("{} files; at most {FILES_PER_MESSAGE_MAX}", files.len()),
+        });
     }
     for file in files {
         bounded(field, &file.name, FILE_NAME_BYTES_MAX)?;
+    }
+    Ok(())
+}
+
+/// A Linear agent session id: a UUID in its hyphenated form (the canonical surface key).
+pub fn linear_session_id(field: &'static str, value: &str) -> Result<(), CommandError> {
+    match uuid::Uuid::parse_str(value) {
+        Ok(parsed) if parsed.hyphenated().to_string() == value.to_ascii_lowercase() && value.len() == 36 => {
+            if value.bytes().any(|b| b.is_ascii_uppercase()) {
+                return Err(invalid(field, "must be a lowercase hyphenated UUID"));
+            }
+            Ok(())
+        }
+        _ => Err(invalid(field, "must be a hyphenated UUID")),
+    }
+}
+
+/// Linear text (a prompt or a response body): at most 160,000 bytes.
+pub fn linear_text(field: &'static str, value: &str) -> Result<(), CommandError> {
+    if value.len() > LINEAR_TEXT_BYTES_MAX {
+        return Err(CommandError::TooLarge {
+            field,
+            reason: format!("{} bytes; at most {LINEAR_TEXT_BYTES_MAX} are accepted", value.len()),
+        });
     }
     Ok(())
 }

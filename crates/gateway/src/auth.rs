@@ -71,6 +71,10 @@ pub fn allowed(role: Role, path: &str) -> bool {
         (Role::Connector, "anima.v1.Ingest", _) => true,
         (Role::Connector, _, "/anima.v1.Sends/Confirm") => true,
         (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends" | "anima.v1.Subscriptions", _) => true,
+        // Replay reads content (stored events): replay and admin only. Analytics is content-free,
+        // so the replay role, trusted with more, may call it too.
+        (Role::Replay, "anima.v1.Replay" | "anima.v1.Analytics", _) => true,
+        (Role::Analytics, "anima.v1.Analytics", _) => true,
         _ => false,
     }
 }

@@ -64,6 +64,10 @@ pub struct AgentConfig {
     pub slack_bot_id: String,
     #[serde(default)]
     pub display_name: String,
+    /// The agent's user id on the generic chat platform: its chat rows are its own, and chat
+    /// messages listing it among their mentions mention the agent.
+    #[serde(default)]
+    pub chat_user_id: String,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -144,13 +148,21 @@ impl Config {
             }
         }
         for (index, agent) in self.agents.iter().enumerate() {
-            if agent.id.is_empty() || agent.id.len() > 128 || agent.id.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            if agent.id.is_empty()
+                || agent.id.len() > 128
+                || agent.id.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
                 bail!("agents[{index}].id: must be 1..=128 bytes without whitespace");
             }
-            for (key, value) in [("slack_bot_user_id", &agent.slack_bot_user_id), ("slack_bot_id", &agent.slack_bot_id)] {
+            for (key, value) in [("slack_bot_user_id", &agent.slack_bot_user_id), ("slack_bot_id", &agent.slack_bot_id)]
+            {
                 if !value.bytes().all(|b| b.is_ascii_alphanumeric()) || value.len() > 64 {
                     bail!("agents[{index}].{key}: must be ASCII letters and digits");
                 }
+            }
+            if agent.chat_user_id.len() > 96 || agent.chat_user_id.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                bail!("agents[{index}].chat_user_id: must be at most 96 bytes without whitespace");
             }
         }
         if self.replicas == 0 || self.replicas > 5 {

@@ -3,6 +3,9 @@
 
 pub mod auth;
 pub mod config;
+pub mod digest_command;
+pub mod replay_command;
+pub mod replay_services;
 pub mod server;
 pub mod services;
 

@@ -2,6 +2,9 @@
 //!
 //! * `anima-wake serve` — run an engine instance: embedded log under `./data` and gRPC on
 //!   `127.0.0.1:50051` with no flags; `--nats URL` for JetStream.
+//! * `anima-wake replay ...` — read the log for incident debugging (timeline, state, explain,
+//!   export, verify), from a data dir, a JetStream stream, or a running server.
+//! * `anima-wake digest DIR` — the memory digest runtimes report before and after a memory pass.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -20,6 +23,13 @@ struct Cli {
 enum Command {
     /// Run an engine instance and its gRPC API.
     Serve(ServeArgs),
+    /// Read the log for incident debugging.
+    Replay(anima_gateway::replay_command::ReplayArgs),
+    /// Print the memory digest of an agent directory (MEMORY.md and notes/).
+    Digest {
+        /// The agent's directory.
+        dir: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -55,6 +65,8 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Command::Serve(args) => runtime.block_on(serve(args)),
+        Command::Replay(args) => runtime.block_on(anima_gateway::replay_command::run(args)),
+        Command::Digest { dir } => anima_gateway::digest_command::run(&dir),
     }
 }
 

@@ -21,9 +21,7 @@ use anima_engine::replay::{
 use anima_engine::Engine;
 use anima_projections::journal::RowMeta;
 use anima_projections::proto as events;
-use anima_projections::redact::{
-    AnalyticsCounts, Figures, RedactedEvent, RedactedOutcome, RedactedValue, TimeBucket,
-};
+use anima_projections::redact::{AnalyticsCounts, Figures, RedactedEvent, RedactedOutcome, RedactedValue, TimeBucket};
 use anima_projections::state::FOLD_VERSION;
 use anima_projections::surface::SurfaceId;
 use anima_projections::verdict::Verdict;
@@ -269,7 +267,11 @@ fn plan_surface(entry: &PlanEntry) -> events::PlanSurface {
 }
 
 /// The state view of `StateAt`.
-pub fn state_at_response(rebuilt: &Rebuilt, agent: Option<&str>, surface: Option<&SurfaceId>) -> api::ReplayStateAtResponse {
+pub fn state_at_response(
+    rebuilt: &Rebuilt,
+    agent: Option<&str>,
+    surface: Option<&SurfaceId>,
+) -> api::ReplayStateAtResponse {
     let state = &rebuilt.state;
     let tail_of = |surface: &SurfaceId| state.journal(surface).map_or(0, |j| j.tail);
     let agent = agent.map(|agent| {
@@ -380,7 +382,10 @@ pub fn explain_response(explanation: Explanation) -> api::ReplayExplainResponse 
 }
 
 /// `StateAt` against a replayer (the service and the replay tool share it).
-pub async fn state_at(replayer: &Replayer, request: api::ReplayStateAtRequest) -> Result<api::ReplayStateAtResponse, Status> {
+pub async fn state_at(
+    replayer: &Replayer,
+    request: api::ReplayStateAtRequest,
+) -> Result<api::ReplayStateAtResponse, Status> {
     let at = point(request.at, "at")?;
     let surface = surface(&request.surface, "surface")?;
     let agent = (!request.agent_id.is_empty()).then_some(request.agent_id);
@@ -389,7 +394,10 @@ pub async fn state_at(replayer: &Replayer, request: api::ReplayStateAtRequest) -
 }
 
 /// `Counts` against a replayer.
-pub async fn counts(replayer: &Replayer, request: api::AnalyticsCountsRequest) -> Result<api::AnalyticsCountsResponse, Status> {
+pub async fn counts(
+    replayer: &Replayer,
+    request: api::AnalyticsCountsRequest,
+) -> Result<api::AnalyticsCountsResponse, Status> {
     let range = range(request.range)?;
     let bucket = bucket(request.bucket)?;
     let (from, to, counts) = replayer.counts(range, bucket).await.map_err(replay_status)?;
@@ -466,14 +474,10 @@ impl api::analytics_server::Analytics for ReplayServices {
     async fn tap(&self, request: Request<api::AnalyticsTapRequest>) -> Result<Response<Self::TapStream>, Status> {
         let request = request.into_inner();
         let types = event_types(request.event_types, "event_types")?;
-        let events = replay::tap(
-            self.engine.log().clone(),
-            Some(self.engine.projection().clone()),
-            request.from_seq,
-            types,
-        )
-        .await
-        .map_err(replay_status)?;
+        let events =
+            replay::tap(self.engine.log().clone(), Some(self.engine.projection().clone()), request.from_seq, types)
+                .await
+                .map_err(replay_status)?;
         let stream = events
             .map(|event| event.map(analytics_event).map_err(replay_status))
             .take_until(self.shutdown.clone().cancelled_owned());

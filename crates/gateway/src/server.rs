@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api;
 use crate::auth::{Auth, AuthLayer};
 use crate::config::Config;
+use crate::replay_services::ReplayServices;
 use crate::services::Services;
 
 /// How long shutdown waits for in-flight requests before closing connections.
@@ -80,6 +81,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
             slack_bot_user_id: a.slack_bot_user_id.clone(),
             slack_bot_id: a.slack_bot_id.clone(),
             display_name: a.display_name.clone(),
+            chat_user_id: a.chat_user_id.clone(),
         })
         .collect();
     let appended = engine.sync_agents(&configured).await.map_err(|e| anyhow::anyhow!("registering configured agents: {e}"))?;
@@ -108,7 +110,9 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .add_service(api::ingest_server::IngestServer::new(services.clone()))
         .add_service(api::wakes_server::WakesServer::new(services.clone()))
         .add_service(api::sends_server::SendsServer::new(services.clone()))
-        .add_service(api::subscriptions_server::SubscriptionsServer::new(services));
+        .add_service(api::subscriptions_server::SubscriptionsServer::new(services))
+        .add_service(api::replay_server::ReplayServer::new(ReplayServices::new(engine.clone(), shutdown.clone())))
+        .add_service(api::analytics_server::AnalyticsServer::new(ReplayServices::new(engine.clone(), shutdown.clone())));
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let stop = shutdown.clone();
     let serve = tokio::spawn(async move {

@@ -4,7 +4,7 @@
 
 use std::pin::Pin;
 
-use anima_engine::command::{IngestOutcome, SlackObservation};
+use anima_engine::command::{ChatObservation, IngestOutcome, LinearIngestOutcome, LinearObservation, SlackObservation};
 use anima_engine::{CommandError, Engine};
 use anima_projections::proto as events;
 use anima_projections::verdict::{RefusalKind, SendVerdict};
@@ -45,11 +45,31 @@ fn outcome_message(outcome: IngestOutcome) -> api::AppendOutcome {
         duplicate_message: outcome.journal.duplicate_message,
         surface: outcome.journal.surface.map(|s| s.to_string()).unwrap_or_default(),
         wake_reason: outcome.journal.wake.map(|w| w.as_str().to_owned()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+fn linear_outcome_message(outcome: LinearIngestOutcome) -> api::AppendOutcome {
+    let verdict = outcome.verdict;
+    api::AppendOutcome {
+        agent_id: verdict.agent,
+        seq: outcome.seq,
+        duplicate_event: outcome.duplicate_event,
+        surface: anima_projections::surface::SurfaceId::Linear { session: verdict.session }.to_string(),
+        wake_reason: verdict.wake.map(|w| w.as_str().to_owned()).unwrap_or_default(),
+        receipt_id: verdict.receipt.unwrap_or_default(),
+        duplicate_receipt: verdict.duplicate_receipt,
+        removed_item_ids: verdict.removed,
+        ..Default::default()
     }
 }
 
 impl Services {
-    async fn append_one(&self, principal: &Principal, request: api::AppendRequest) -> Result<api::AppendResponse, Status> {
+    async fn append_one(
+        &self,
+        principal: &Principal,
+        request: api::AppendRequest,
+    ) -> Result<api::AppendResponse, Status> {
         let outcomes = match request.observation {
             Some(api::append_request::Observation::SlackMessage(message)) => {
                 let observation = SlackObservation {
@@ -71,6 +91,44 @@ impl Services {
                     occurred_at_ms: message.occurred_at_ms,
                 };
                 self.engine.ingest_slack(observation).await.map_err(status)?.into_iter().map(outcome_message).collect()
+            }
+            Some(api::append_request::Observation::ChatMessage(message)) => {
+                let observation = ChatObservation {
+                    receiving_agent_ids: message.receiving_agent_ids,
+                    message: events::ChatMessageObserved {
+                        receiving_agent_id: String::new(),
+                        tenant_id: message.tenant_id,
+                        chat_id: message.chat_id,
+                        chat_kind: message.chat_kind,
+                        message_id: message.message_id,
+                        thread_id: message.thread_id,
+                        sender_id: message.sender_id,
+                        sender_is_bot: message.sender_is_bot,
+                        sender_name: message.sender_name,
+                        text: message.text,
+                        files: message.files,
+                        mentioned_user_ids: message.mentioned_user_ids,
+                    },
+                    occurred_at_ms: message.occurred_at_ms,
+                };
+                self.engine.ingest_chat(observation).await.map_err(status)?.into_iter().map(outcome_message).collect()
+            }
+            Some(api::append_request::Observation::LinearSession(session)) => {
+                let observation = LinearObservation {
+                    event: events::LinearSessionEvent {
+                        receiving_agent_id: session.receiving_agent_id,
+                        installation_id: session.installation_id,
+                        kind: session.kind,
+                        session_id: session.session_id,
+                        agent_activity_id: session.agent_activity_id,
+                        issue_identifier: session.issue_identifier,
+                        issue_url: session.issue_url,
+                        issue_title: session.issue_title,
+                        prompt_text: session.prompt_text,
+                    },
+                    occurred_at_ms: session.occurred_at_ms,
+                };
+                vec![linear_outcome_message(self.engine.ingest_linear(observation).await.map_err(status)?)]
             }
             Some(api::append_request::Observation::Agent(registration)) => {
                 if principal.role != crate::auth::Role::Admin {
@@ -119,7 +177,10 @@ impl api::ingest_server::Ingest for Services {
                         Err(status) => api::AppendResponse {
                             correlation_id,
                             outcomes: Vec::new(),
-                            error: Some(api::ErrorDetail { code: status.code() as i32, message: status.message().to_owned() }),
+                            error: Some(api::ErrorDetail {
+                                code: status.code() as i32,
+                                message: status.message().to_owned(),
+                            }),
                         },
                     })
                 }
@@ -178,7 +239,10 @@ impl api::wakes_server::Wakes for Services {
         Ok(Response::new(stream))
     }
 
-    async fn heartbeat(&self, request: Request<api::HeartbeatRequest>) -> Result<Response<api::HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        request: Request<api::HeartbeatRequest>,
+    ) -> Result<Response<api::HeartbeatResponse>, Status> {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
@@ -285,11 +349,25 @@ impl api::sends_server::Sends for Services {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
+        // The stored confirmation carries the post's place on its surface in `ts`: Slack's ts, or
+        // the chat platform's message id.
+        let is_chat =
+            matches!(request.target.as_ref().and_then(|t| t.target.as_ref()), Some(api::reply_target::Target::Chat(_)));
+        let ts = match (is_chat, request.ts.is_empty(), request.message_id.is_empty()) {
+            (true, true, _) => request.message_id,
+            (true, false, _) => {
+                return Err(Status::invalid_argument("ts: must be empty for a chat target; set message_id"))
+            }
+            (false, _, true) => request.ts,
+            (false, _, false) => {
+                return Err(Status::invalid_argument("message_id: only for chat targets; set ts for a Slack target"))
+            }
+        };
         let confirmation = events::SendConfirmed {
             agent_id: request.agent_id,
             target: request.target,
             kind: request.kind,
-            ts: request.ts,
+            ts,
             text: request.text,
             files: request.files,
         };
@@ -298,6 +376,45 @@ impl api::sends_server::Sends for Services {
             seq: outcome.seq,
             duplicate_event: outcome.duplicate_event,
             ordinal: if outcome.journal.duplicate_message { 0 } else { outcome.journal.ordinal },
+        }))
+    }
+
+    async fn respond(&self, request: Request<api::RespondRequest>) -> Result<Response<api::RespondResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let respond = events::LinearResponseRequested {
+            agent_id: request.agent_id,
+            session_id: request.session_id,
+            kind: request.kind,
+            body: request.body,
+            input_ids: request.input_ids,
+        };
+        let decision = self.engine.respond_linear(respond, &request.request_id).await.map_err(status)?;
+        Ok(Response::new(api::RespondResponse {
+            decided_at_seq: decision.seq,
+            activity_id: decision.verdict.activity_id,
+            state: decision.verdict.state.as_str().to_owned(),
+            repeated: decision.verdict.repeated,
+        }))
+    }
+
+    async fn confirm_response(
+        &self,
+        request: Request<api::ConfirmResponseRequest>,
+    ) -> Result<Response<api::ConfirmResponseResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let request = request.into_inner();
+        principal.require_agent(&request.agent_id)?;
+        let outcome = events::LinearResponseOutcome {
+            agent_id: request.agent_id,
+            activity_id: request.activity_id,
+            result: request.result,
+        };
+        let decision = self.engine.confirm_linear_response(outcome, &request.request_id).await.map_err(status)?;
+        Ok(Response::new(api::ConfirmResponseResponse {
+            seq: decision.seq,
+            state: decision.verdict.state.as_str().to_owned(),
         }))
     }
 }
@@ -320,11 +437,17 @@ where
 
 #[tonic::async_trait]
 impl api::subscriptions_server::Subscriptions for Services {
-    async fn mute(&self, request: Request<api::SubscriptionRequest>) -> Result<Response<api::SubscriptionResponse>, Status> {
+    async fn mute(
+        &self,
+        request: Request<api::SubscriptionRequest>,
+    ) -> Result<Response<api::SubscriptionResponse>, Status> {
         self.change_subscription(request, true).await
     }
 
-    async fn unmute(&self, request: Request<api::SubscriptionRequest>) -> Result<Response<api::SubscriptionResponse>, Status> {
+    async fn unmute(
+        &self,
+        request: Request<api::SubscriptionRequest>,
+    ) -> Result<Response<api::SubscriptionResponse>, Status> {
         self.change_subscription(request, false).await
     }
 
@@ -341,23 +464,34 @@ impl api::subscriptions_server::Subscriptions for Services {
         }
         let subscriptions = state
             .subscriptions
-            .range((agent.clone(), anima_projections::surface::SurfaceId::Slack {
-                team: String::new(),
-                channel: String::new(),
-                thread_ts: None,
-            })..)
+            .range(
+                (
+                    agent.clone(),
+                    anima_projections::surface::SurfaceId::Slack {
+                        team: String::new(),
+                        channel: String::new(),
+                        thread_ts: None,
+                    },
+                )..,
+            )
             .take_while(|((owner, _), _)| *owner == agent)
             .filter(|(_, s)| s.member || s.following || s.muted)
-            .map(|((_, surface), s)| api::Subscription {
-                surface: surface.to_string(),
-                target: match surface.to_target().target {
-                    Some(api::reply_target::Target::Slack(target)) => Some(target),
-                    None => None,
-                },
-                member: s.member,
-                following: s.following,
-                muted: s.muted,
-                wakes_since_post: s.attention.wakes_since_post,
+            .map(|((_, surface), s)| {
+                let (target, chat_target) = match surface.to_target().target {
+                    Some(api::reply_target::Target::Slack(target)) => (Some(target), None),
+                    Some(api::reply_target::Target::Chat(target)) => (None, Some(target)),
+                    // Sessions have no subscriptions.
+                    Some(api::reply_target::Target::Linear(_)) | None => (None, None),
+                };
+                api::Subscription {
+                    surface: surface.to_string(),
+                    target,
+                    member: s.member,
+                    following: s.following,
+                    muted: s.muted,
+                    wakes_since_post: s.attention.wakes_since_post,
+                    chat_target,
+                }
             })
             .collect();
         Ok(Response::new(api::ListSubscriptionsResponse { subscriptions, as_of_seq: state.meta.applied_seq }))
@@ -373,9 +507,17 @@ impl Services {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
+        let target = match (request.target, request.chat_target) {
+            (Some(slack), None) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Slack(slack)) }),
+            (None, Some(chat)) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Chat(chat)) }),
+            (None, None) => None,
+            (Some(_), Some(_)) => {
+                return Err(Status::invalid_argument("target, chat_target: set one of them, not both"))
+            }
+        };
         let seq = self
             .engine
-            .change_subscription(&request.agent_id, request.target, mute, &request.request_id)
+            .change_subscription(&request.agent_id, target, mute, &request.request_id)
             .await
             .map_err(status)?;
         Ok(Response::new(api::SubscriptionResponse { seq }))

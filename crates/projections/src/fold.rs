@@ -13,9 +13,9 @@ use crate::render;
 use crate::state::{
     AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION, VERDICTS_KEPT_MAX,
 };
-use crate::surface::{slack_message_identity, SurfaceId};
+use crate::subscription::{mentions, Observed, Route};
+use crate::surface::{chat_message_identity, slack_message_identity, ChatKind, SurfaceId};
 use crate::verdict::{JournalVerdict, Refusal, RefusalKind, Verdict};
-use crate::subscription::{Observed, Route};
 use crate::wake::WakeItem;
 
 /// Slack subtypes that are journal rows; edits, deletes and joins are recorded but not rows.
@@ -54,6 +54,10 @@ impl State {
             Some(Payload::SubscriptionChange(request)) => self.change_subscription(at, request),
             Some(Payload::WakeHeartbeat(request)) => self.record_heartbeat(at, request),
             Some(Payload::WakeRecovery(request)) => self.recover_wake(at, request),
+            Some(Payload::ChatMessage(message)) => self.observe_chat_message(at, message),
+            Some(Payload::LinearSession(event)) => self.observe_linear_session(at, event),
+            Some(Payload::LinearResponse(request)) => self.request_linear_response(at, &envelope.event_id, request),
+            Some(Payload::LinearResponseOutcome(outcome)) => self.record_linear_response_outcome(outcome),
             None if envelope.min_reader_version > READER_VERSION => {
                 self.meta.halted = Some(Halt {
                     seq: at.seq,
@@ -83,8 +87,18 @@ impl State {
                 }
             }
         }
+        if let Some(old) = self.agents.get(&registration.agent_id).cloned() {
+            if !old.chat_user_id.is_empty()
+                && self.chat_identities.get(&old.chat_user_id) == Some(&registration.agent_id)
+            {
+                self.chat_identities.remove(&old.chat_user_id);
+            }
+        }
         for key in identity_keys(&registration.slack_bot_user_id, &registration.slack_bot_id) {
             self.slack_identities.insert(key, registration.agent_id.clone());
+        }
+        if !registration.chat_user_id.is_empty() {
+            self.chat_identities.insert(registration.chat_user_id.clone(), registration.agent_id.clone());
         }
         self.agents.insert(
             registration.agent_id.clone(),
@@ -92,6 +106,7 @@ impl State {
                 slack_bot_user_id: registration.slack_bot_user_id.clone(),
                 slack_bot_id: registration.slack_bot_id.clone(),
                 display_name: registration.display_name.clone(),
+                chat_user_id: registration.chat_user_id.clone(),
                 registered_seq: at.seq,
             },
         );
@@ -140,7 +155,8 @@ impl State {
             return not_journaled(agent);
         }
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-        let body = RowBody { text: message.text.clone(), user_name: message.user_name.clone(), files: message.files.clone() };
+        let body =
+            RowBody { text: message.text.clone(), user_name: message.user_name.clone(), files: message.files.clone() };
         let owner = self.slack_owner(&message.user_id, &message.bot_id);
         let existing = self.identities.get(&(surface.clone(), message.ts.clone())).copied();
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
@@ -154,10 +170,13 @@ impl State {
             if row.is_own(&agent) && existing.is_none() {
                 self.note_own_post(at, &agent, &surface, &message.ts);
             }
+            let bot_user_id = self.agents.get(&agent).map(|a| a.slack_bot_user_id.clone()).unwrap_or_default();
             let observed = Observed {
                 surface: &surface,
                 row: &row,
-                is_app_mention: message.kind == proto::SlackDeliveryKind::AppMention as i32,
+                direct: surface.is_slack_dm(),
+                mentioned: message.kind == proto::SlackDeliveryKind::AppMention as i32
+                    || mentions(&message.text, &bot_user_id),
                 is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
                 text: &message.text,
             };
@@ -174,6 +193,7 @@ impl State {
                     queued_at_ns: at.at_ns,
                     resume_after_restart: false,
                     note: None,
+                    linear: None,
                 };
                 wake = self.queue_wake(at, &agent, item);
             }
@@ -196,25 +216,36 @@ impl State {
         let Some(surface) = confirmation.target.as_ref().and_then(SurfaceId::from_target) else {
             return refused(RefusalKind::InvalidArgument, "target is missing");
         };
-        let Some(ts_seconds) = crate::time::slack_ts_seconds(&confirmation.ts) else {
-            return refused(RefusalKind::InvalidArgument, "ts is not a Slack ts");
+        // Slack posts are placed by their ts; chat posts (whose `ts` is the platform's message
+        // id) by the log's time, like every chat row.
+        let (ts_seconds, user_id, bot_id) = match &surface {
+            SurfaceId::Slack { .. } => match crate::time::slack_ts_seconds(&confirmation.ts) {
+                Some(seconds) => (seconds, record.slack_bot_user_id.clone(), record.slack_bot_id.clone()),
+                None => return refused(RefusalKind::InvalidArgument, "ts is not a Slack ts"),
+            },
+            SurfaceId::Chat { .. } if confirmation.ts.is_empty() => {
+                return refused(RefusalKind::InvalidArgument, "the chat message id of the post is empty")
+            }
+            SurfaceId::Chat { .. } => (log_seconds(at), record.chat_user_id.clone(), String::new()),
+            SurfaceId::Linear { .. } => {
+                return refused(
+                    RefusalKind::InvalidArgument,
+                    "a Linear response is confirmed with Sends.ConfirmResponse",
+                )
+            }
         };
         let existing = self.identities.get(&(surface.clone(), confirmation.ts.clone())).copied();
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
-                let body = RowBody { text: confirmation.text.clone(), user_name: String::new(), files: confirmation.files.clone() };
+                let body = RowBody {
+                    text: confirmation.text.clone(),
+                    user_name: String::new(),
+                    files: confirmation.files.clone(),
+                };
                 let ordinal = self.journal_tail(&surface) + 1;
-                let row = row_meta(
-                    at,
-                    ordinal,
-                    &confirmation.ts,
-                    ts_seconds,
-                    &record.slack_bot_user_id,
-                    &record.slack_bot_id,
-                    Some(agent.clone()),
-                    &body,
-                );
+                let row =
+                    row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), &body);
                 self.journal_row(&surface, row);
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
@@ -229,6 +260,95 @@ impl State {
             duplicate_message: existing.is_some(),
             wake: None,
             route: None,
+        })
+    }
+
+    /// A chat message as one agent's app received it (DESIGN §4.1, §4.4): journaled once per
+    /// identity (tenant, chat, message id) on its surface, then routed for the receiving agent
+    /// like a Slack message — p2p chats as DMs.
+    fn observe_chat_message(&mut self, at: LogPosition, message: &proto::ChatMessageObserved) -> Verdict {
+        let agent = message.receiving_agent_id.clone();
+        let not_journaled = |agent: String| {
+            Verdict::Journaled(JournalVerdict {
+                agent,
+                surface: None,
+                ordinal: 0,
+                duplicate_message: false,
+                wake: None,
+                route: None,
+            })
+        };
+        let Some(kind) = ChatKind::from_proto(message.chat_kind) else {
+            return not_journaled(agent);
+        };
+        let has_content = !message.text.trim().is_empty() || !message.files.is_empty();
+        if message.tenant_id.is_empty()
+            || message.chat_id.is_empty()
+            || message.message_id.is_empty()
+            || message.sender_id.is_empty()
+            || !has_content
+        {
+            return not_journaled(agent);
+        }
+        let surface =
+            SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
+        let chat = surface.top_level();
+        if self.chat_kinds.get(&chat) != Some(&kind) {
+            self.chat_kinds.insert(chat, kind);
+        }
+        let body = RowBody {
+            text: message.text.clone(),
+            user_name: message.sender_name.clone(),
+            files: message.files.clone(),
+        };
+        let owner = self.chat_identities.get(&message.sender_id).cloned();
+        let existing = self.identities.get(&(surface.clone(), message.message_id.clone())).copied();
+        let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
+        let row = row_meta(at, ordinal, &message.message_id, log_seconds(at), &message.sender_id, "", owner, &body);
+        if existing.is_none() {
+            self.journal_row(&surface, row.clone());
+        }
+        let mut wake = None;
+        let mut route = None;
+        if let Some(record) = self.agents.get(&agent).cloned() {
+            if row.is_own(&agent) && existing.is_none() {
+                self.note_own_post(at, &agent, &surface, &message.message_id);
+            }
+            let mentioned =
+                !record.chat_user_id.is_empty() && message.mentioned_user_ids.contains(&record.chat_user_id);
+            let observed = Observed {
+                surface: &surface,
+                row: &row,
+                direct: kind == ChatKind::P2p,
+                mentioned,
+                is_bot: message.sender_is_bot,
+                text: &message.text,
+            };
+            let routed = self.route(&agent, &observed);
+            route = Some(routed.route);
+            if let (Route::Wake(reason), Some(reply_to)) = (routed.route, routed.reply_to) {
+                let item = WakeItem {
+                    id: chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id),
+                    reason,
+                    trigger_surface: surface.clone(),
+                    trigger: row,
+                    reply_to,
+                    queued_seq: at.seq,
+                    queued_at_ns: at.at_ns,
+                    resume_after_restart: false,
+                    note: None,
+                    linear: None,
+                };
+                wake = self.queue_wake(at, &agent, item);
+            }
+        }
+        Verdict::Journaled(JournalVerdict {
+            agent,
+            surface: Some(surface),
+            ordinal,
+            duplicate_message: existing.is_some(),
+            wake,
+            route,
         })
     }
 
@@ -266,7 +386,7 @@ fn identity_keys(bot_user_id: &str, bot_id: &str) -> Vec<String> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn row_meta(
+pub(crate) fn row_meta(
     at: LogPosition,
     ordinal: u64,
     ts: &str,
@@ -294,6 +414,11 @@ fn row_meta(
     meta.sender_bytes = saturating_u32(sender_bytes);
     meta.body_bytes = saturating_u32(render::body_bytes(body));
     meta
+}
+
+/// Whole seconds of a log position's time: the time shown for chat rows, which carry none.
+pub(crate) fn log_seconds(at: LogPosition) -> i64 {
+    at.at_ns.div_euclid(1_000_000_000)
 }
 
 fn saturating_u32(n: usize) -> u32 {

@@ -22,7 +22,8 @@ pub struct RowMeta {
     pub seq: u64,
     /// Log time of that event, unix ns.
     pub at_ns: i64,
-    /// Slack ts and its whole seconds.
+    /// Slack ts and its whole seconds; for chat rows the platform's message id and the whole
+    /// seconds of the log time that journaled it (chat messages carry no time of their own).
     pub ts: String,
     pub ts_seconds: i64,
     pub user_id: String,
@@ -60,20 +61,24 @@ pub struct RowBody {
 }
 
 impl RowBody {
-    /// The body of a journaled event (a Slack observation or a confirmed own post).
+    /// The body of a journaled event (a Slack or chat observation, or a confirmed own post).
     pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
         use proto::envelope::Payload;
         match envelope.payload.as_ref()? {
-            Payload::SlackMessage(m) => Some(RowBody {
-                text: m.text.clone(),
-                user_name: m.user_name.clone(),
-                files: m.files.clone(),
-            }),
-            Payload::SendConfirmed(c) => Some(RowBody {
-                text: c.text.clone(),
-                user_name: String::new(),
-                files: c.files.clone(),
-            }),
+            Payload::SlackMessage(m) => {
+                Some(RowBody { text: m.text.clone(), user_name: m.user_name.clone(), files: m.files.clone() })
+            }
+            Payload::ChatMessage(m) => {
+                Some(RowBody { text: m.text.clone(), user_name: m.sender_name.clone(), files: m.files.clone() })
+            }
+            // The prompt is the body of a Linear wake's trigger; the issue title stands where a
+            // sender's name would.
+            Payload::LinearSession(e) => {
+                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), files: Vec::new() })
+            }
+            Payload::SendConfirmed(c) => {
+                Some(RowBody { text: c.text.clone(), user_name: String::new(), files: c.files.clone() })
+            }
             _ => None,
         }
     }

@@ -188,7 +188,8 @@ pub fn agent_offset_minutes(agent_id: &str, window_minutes: u16) -> u32 {
 }
 
 /// The pass id of an agent's window-day: `memory-pass:{agent}:{YYYY-MM-DD}`. The fold accepts a
-/// pass request only for an id it has not seen, so one pass runs per agent and window-day.
+/// pass request only for an id it has not seen, so one pass runs per agent and window-day. The
+/// date is always the last 10 bytes, so an agent id containing `:` stays unambiguous.
 pub fn pass_id(agent_id: &str, window_day: Date) -> String {
     format!("memory-pass:{agent_id}:{}", date_label(window_day))
 }

@@ -147,7 +147,8 @@ impl Redactor {
     pub fn schema() -> &'static Redactor {
         static SCHEMA: OnceLock<Redactor> = OnceLock::new();
         SCHEMA.get_or_init(|| {
-            Redactor::new(crate::proto::EVENTS_DESCRIPTOR_SET).expect("the built-in descriptor set has the stored schema")
+            Redactor::new(crate::proto::EVENTS_DESCRIPTOR_SET)
+                .expect("the built-in descriptor set has the stored schema")
         })
     }
 
@@ -411,10 +412,9 @@ impl RedactedOutcome {
                 settled_without_turn: claimed.settled_without_turn.len() as u64,
                 ..RedactedOutcome::kind("claimed")
             },
-            Verdict::Started { coalesced, .. } => RedactedOutcome {
-                settled_without_turn: coalesced.len() as u64,
-                ..RedactedOutcome::kind("started")
-            },
+            Verdict::Started { coalesced, .. } => {
+                RedactedOutcome { settled_without_turn: coalesced.len() as u64, ..RedactedOutcome::kind("started") }
+            }
             Verdict::Finished { requeued: true, .. } => RedactedOutcome::kind("requeued"),
             Verdict::Finished { requeued: false, .. } => RedactedOutcome::kind("finished"),
             Verdict::Refused(refusal) => RedactedOutcome {
@@ -525,9 +525,7 @@ impl Figures {
             "requeued" => *self.finishes_by_outcome.entry("requeued".to_owned()).or_default() += 1,
             "finished" => {
                 let reported = match event.field("outcome") {
-                    Some(RedactedValue::Enum(name)) => {
-                        name.trim_start_matches("WAKE_OUTCOME_").to_ascii_lowercase()
-                    }
+                    Some(RedactedValue::Enum(name)) => name.trim_start_matches("WAKE_OUTCOME_").to_ascii_lowercase(),
                     _ => "unspecified".to_owned(),
                 };
                 *self.finishes_by_outcome.entry(reported).or_default() += 1;

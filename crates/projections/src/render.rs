@@ -11,6 +11,7 @@
 //! has exactly the size the decision assumed.
 
 use crate::journal::{RowBody, RowMeta};
+use crate::surface::SurfaceId;
 use crate::time::format_utc;
 
 /// Each message is clipped to this many bytes of escaped text, never inside a UTF-8 code point.
@@ -246,12 +247,7 @@ pub fn held_frame_bytes_max() -> usize {
 }
 
 /// The notice shown when a send is held. `rows` are the shown rows oldest first, with bodies.
-pub fn render_held_notice(
-    reader: &str,
-    new_messages: u64,
-    omitted: u64,
-    rows: &[(&RowMeta, &RowBody)],
-) -> String {
+pub fn render_held_notice(reader: &str, new_messages: u64, omitted: u64, rows: &[(&RowMeta, &RowBody)]) -> String {
     let mut out = String::new();
     put_held_head(&mut out, new_messages, omitted);
     for (meta, body) in rows {
@@ -263,10 +259,7 @@ pub fn render_held_notice(
 
 /// The wake text's first block: the header, the restart note, and the count of rows not shown.
 pub fn put_wake_head(out: &mut impl Sink, not_shown: u64, resume_after_restart: bool) {
-    out.put("=== anima wake ===\n");
-    if resume_after_restart {
-        out.put("[anima] A runtime restart interrupted your previous turn on this wake. Continue that task; do not repeat external side effects that already happened (check what was already sent); what arrived meanwhile is below.\n");
-    }
+    put_wake_head_line(out, resume_after_restart);
     out.put("=== conversation update ===\n");
     if not_shown > 0 {
         out.put(&format!(
@@ -276,10 +269,24 @@ pub fn put_wake_head(out: &mut impl Sink, not_shown: u64, resume_after_restart: 
     }
 }
 
+/// The engine's header of every wake text, with the restart note when the wake resumes.
+fn put_wake_head_line(out: &mut impl Sink, resume_after_restart: bool) {
+    out.put("=== anima wake ===\n");
+    if resume_after_restart {
+        out.put("[anima] A runtime restart interrupted your previous turn on this wake. Continue that task; do not repeat external side effects that already happened (check what was already sent); what arrived meanwhile is below.\n");
+    }
+}
+
 /// A mute suggestion: names the exact command, never mutes on the agent's behalf.
 pub fn put_attention_note(out: &mut impl Sink, note: &crate::subscription::AttentionNote) {
-    let crate::surface::SurfaceId::Slack { channel, thread_ts, .. } = &note.target;
-    let place = if thread_ts.is_some() { "this thread" } else { "this channel" };
+    let (place, command) = match &note.target {
+        SurfaceId::Slack { thread_ts: None, .. } => ("this channel", "anima subscription mute --channel "),
+        SurfaceId::Slack { thread_ts: Some(_), .. } => ("this thread", "anima subscription mute --channel "),
+        SurfaceId::Chat { thread: None, .. } => ("this chat", "anima subscription mute --chat-id "),
+        SurfaceId::Chat { thread: Some(_), .. } => ("this thread", "anima subscription mute --chat-id "),
+        // Linear wakes are never counted for attention notes.
+        SurfaceId::Linear { .. } => return,
+    };
     match note.kind {
         crate::subscription::NoteKind::Burst => out.put(&format!(
             "[anima] {place} woke you {} times within the last hour and you have not posted there. If it does not need you, mute it: ",
@@ -290,23 +297,68 @@ pub fn put_attention_note(out: &mut impl Sink, note: &crate::subscription::Atten
             note.wakes
         )),
     }
-    out.put("anima subscription mute --channel ");
-    put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
-    if let Some(ts) = thread_ts {
-        out.put(" --thread-ts ");
-        put_inline_clipped(out, ts, PLATFORM_ID_SHOWN_BYTES_MAX);
+    out.put(command);
+    match &note.target {
+        SurfaceId::Slack { channel, thread_ts, .. } => {
+            put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
+            if let Some(ts) = thread_ts {
+                out.put(" --thread-ts ");
+                put_inline_clipped(out, ts, PLATFORM_ID_SHOWN_BYTES_MAX);
+            }
+        }
+        SurfaceId::Chat { chat, thread, .. } => {
+            put_command_argument(out, chat);
+            if let Some(thread) = thread {
+                out.put(" --thread-id ");
+                put_command_argument(out, thread);
+            }
+        }
+        SurfaceId::Linear { .. } => {}
     }
     out.put("\n");
 }
 
+/// Characters a command argument may hold without quoting.
+fn is_shell_plain(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '@' | '/' | '+' | '=' | ',' | '%')
+}
+
+/// Writes a chat id as one shell word: as it is when it is plain, else single-quoted. Chat ids
+/// come from any platform; a note's command must run as shown, whatever characters they hold.
+/// They are never clipped (a clipped id would name another chat); the engine bounds them.
+fn put_command_argument(out: &mut impl Sink, value: &str) {
+    if !value.is_empty() && value.chars().all(is_shell_plain) {
+        out.put(value);
+        return;
+    }
+    out.put("'");
+    for (index, part) in value.split('\'').enumerate() {
+        if index > 0 {
+            // Close the quote, an escaped quote, reopen.
+            out.put("'\\''");
+        }
+        put_inline(out, part);
+    }
+    out.put("'");
+}
+
 /// The "latest wake" block up to the sender (whose label and body follow it).
 pub fn put_wake_latest_header(out: &mut impl Sink, item: &crate::wake::WakeItem) {
-    let crate::surface::SurfaceId::Slack { channel, thread_ts, .. } = &item.trigger_surface;
     out.put("=== latest wake ===\n");
     out.put(&format!("reason: {}\n", item.reason.as_str()));
-    put_field(out, "channel", channel);
-    put_field(out, "thread_ts", thread_ts.as_deref().unwrap_or("-"));
-    put_field(out, "message_ts", &item.trigger.ts);
+    match &item.trigger_surface {
+        SurfaceId::Slack { channel, thread_ts, .. } => {
+            put_field(out, "channel", channel);
+            put_field(out, "thread_ts", thread_ts.as_deref().unwrap_or("-"));
+            put_field(out, "message_ts", &item.trigger.ts);
+        }
+        SurfaceId::Chat { chat, thread, .. } => {
+            put_field(out, "chat_id", chat);
+            put_field(out, "thread_id", thread.as_deref().unwrap_or("-"));
+            put_field(out, "message_id", &item.trigger.ts);
+        }
+        SurfaceId::Linear { session } => put_field(out, "session_id", session),
+    }
     out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
     out.put("user: ");
 }
@@ -325,20 +377,82 @@ pub fn put_wake_tail(out: &mut impl Sink, item: &crate::wake::WakeItem) {
         out.put("=== notes ===\n");
         put_attention_note(out, note);
     }
-    let crate::surface::SurfaceId::Slack { team, channel, thread_ts } = &item.reply_to;
     out.put("=== reply ===\n");
-    out.put("reply_to: slack team=");
-    put_inline_clipped(out, team, PLATFORM_ID_SHOWN_BYTES_MAX);
-    out.put(" channel=");
-    put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
-    match thread_ts {
-        Some(ts) => {
-            out.put(" thread_ts=");
-            put_inline_clipped(out, ts, PLATFORM_ID_SHOWN_BYTES_MAX);
+    if let SurfaceId::Linear { session } = &item.reply_to {
+        out.put("reply_to: linear session=");
+        put_inline_clipped(out, session, PLATFORM_ID_SHOWN_BYTES_MAX);
+        out.put("\n");
+        out.put(LINEAR_HOW_TO_ANSWER);
+        return;
+    }
+    let (thread_key, thread) = match &item.reply_to {
+        SurfaceId::Slack { team, channel, thread_ts } => {
+            out.put("reply_to: slack team=");
+            put_inline_clipped(out, team, PLATFORM_ID_SHOWN_BYTES_MAX);
+            out.put(" channel=");
+            put_inline_clipped(out, channel, PLATFORM_ID_SHOWN_BYTES_MAX);
+            (" thread_ts=", thread_ts)
+        }
+        SurfaceId::Chat { tenant, chat, thread } => {
+            out.put("reply_to: chat tenant=");
+            put_inline_clipped(out, tenant, PLATFORM_ID_SHOWN_BYTES_MAX);
+            out.put(" chat_id=");
+            put_inline_clipped(out, chat, PLATFORM_ID_SHOWN_BYTES_MAX);
+            (" thread_id=", thread)
+        }
+        SurfaceId::Linear { .. } => unreachable!("answered above"),
+    };
+    match thread {
+        Some(thread) => {
+            out.put(thread_key);
+            put_inline_clipped(out, thread, PLATFORM_ID_SHOWN_BYTES_MAX);
             out.put("\n");
         }
         None => out.put(" (top level)\n"),
     }
+}
+
+/// How to answer a Linear session, below its reply target.
+pub const LINEAR_HOW_TO_ANSWER: &str = "Answer with Sends.Respond: this session, a kind (thought, action, elicitation, response or error), your text, and the item ids of the wakes you answer; repeating the same response returns the same activity, so retry it unchanged if unsure.\n";
+
+/// A Linear wake (DESIGN §4.6): the session and prompt fields, the log time, the issue link, the
+/// prompt fenced like all content (only the new one on `prompted`), and the exact reply target.
+/// The body's `user_name` holds the issue title. The item id is not shown: the session and
+/// activity ids are, as fields.
+fn put_linear_wake(
+    out: &mut impl Sink,
+    item: &crate::wake::WakeItem,
+    linear: &crate::wake::LinearWake,
+    body: &RowBody,
+) {
+    out.put("=== anima wake ===\n");
+    if item.resume_after_restart {
+        out.put("[anima] A runtime restart interrupted your previous turn on this wake. Continue that task; do not repeat external side effects that already happened (check what you already answered in this session).\n");
+    }
+    out.put("=== linear session ===\n");
+    out.put(&format!("reason: {}\n", item.reason.as_str()));
+    put_field(out, "event", linear.kind.as_str());
+    put_field(out, "session_id", &linear.session_id);
+    if !linear.agent_activity_id.is_empty() {
+        put_field(out, "agent_activity_id", &linear.agent_activity_id);
+    }
+    out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
+    put_field(out, "issue", if linear.issue_identifier.is_empty() { "-" } else { &linear.issue_identifier });
+    put_field(out, "issue_url", if linear.issue_url.is_empty() { "-" } else { &linear.issue_url });
+    if !body.user_name.trim().is_empty() {
+        out.put("issue_title:\n");
+        put_fenced_text(out, &body.user_name);
+    }
+    out.put(match linear.kind {
+        crate::surface::LinearReceiptKind::Created => "=== prompt ===\n",
+        crate::surface::LinearReceiptKind::Prompted => "=== new prompt ===\n",
+    });
+    if body.text.trim().is_empty() {
+        out.put("(no prompt text)\n");
+    } else {
+        put_fenced_text(out, &body.text);
+    }
+    put_wake_tail(out, item);
 }
 
 /// Upper bound of a wake text's size without its update rows.
@@ -359,6 +473,10 @@ pub fn render_wake_text(
 ) -> String {
     let item = &claimed.item;
     let mut out = String::new();
+    if let Some(linear) = &item.linear {
+        put_linear_wake(&mut out, item, linear, trigger_body);
+        return out;
+    }
     put_wake_head(&mut out, claimed.not_shown, item.resume_after_restart);
     if rows.is_empty() && claimed.not_shown == 0 {
         out.put("(nothing else is new)\n");

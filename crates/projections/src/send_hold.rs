@@ -21,6 +21,9 @@ impl State {
         let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) else {
             return refused(RefusalKind::InvalidArgument, "target is missing");
         };
+        if matches!(surface, SurfaceId::Linear { .. }) {
+            return refused(RefusalKind::InvalidArgument, "a Linear session is answered with Sends.Respond, not Send");
+        }
         let cursor_key = (request.agent_id.clone(), surface.clone());
         let Some(cursor) = self.cursors.get(&cursor_key).copied() else {
             return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, cursor_after: None });

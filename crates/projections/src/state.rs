@@ -8,15 +8,16 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::SurfaceJournal;
+use crate::linear::{LinearResponse, LinearResponseKey};
 use crate::subscription::Subscription;
-use crate::surface::SurfaceId;
+use crate::surface::{ChatKind, SurfaceId};
 use crate::table::Table;
 use crate::verdict::Verdict;
 use crate::wake::AgentQueue;
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 2;
+pub const FOLD_VERSION: u32 = 4;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -54,6 +55,8 @@ pub struct AgentRecord {
     pub slack_bot_user_id: String,
     pub slack_bot_id: String,
     pub display_name: String,
+    /// The agent's user id on the generic chat platform (empty: none).
+    pub chat_user_id: String,
     pub registered_seq: u64,
 }
 
@@ -81,6 +84,21 @@ pub struct State {
     pub verdicts: Table<u64, Verdict>,
     /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
     pub subscriptions: Table<AgentSurface, Subscription>,
+    /// Chat user ids → the agent they belong to.
+    pub chat_identities: Table<String, String>,
+    /// A chat's top-level surface → whether it is one-to-one, as its newest observation said.
+    /// A chat id does not tell; p2p chats behave like DMs.
+    pub chat_kinds: Table<SurfaceId, ChatKind>,
+    /// Linear receipt ids → the log seq of the first receipt (first receipt wins).
+    pub linear_receipts: Table<String, u64>,
+    /// Log seq → receipt id, to forget the oldest receipt beyond the bound.
+    pub linear_receipt_order: Table<u64, String>,
+    /// Linear responses by key: (agent, sorted input ids, hash of kind and body).
+    pub linear_responses: Table<LinearResponseKey, LinearResponse>,
+    /// Activity id → the key of its response, for outcomes.
+    pub linear_activities: Table<String, LinearResponseKey>,
+    /// Log seq of the request → response key, to forget the oldest response beyond the bound.
+    pub linear_response_order: Table<u64, LinearResponseKey>,
 }
 
 /// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
@@ -160,6 +178,13 @@ state_tables! {
     9 => settled_order,
     10 => verdicts,
     11 => subscriptions,
+    12 => chat_identities,
+    13 => chat_kinds,
+    14 => linear_receipts,
+    15 => linear_receipt_order,
+    16 => linear_responses,
+    17 => linear_activities,
+    18 => linear_response_order,
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
@@ -197,6 +222,16 @@ impl State {
 
     pub fn queue(&self, agent: &str) -> Option<&AgentQueue> {
         self.queues.get(&agent.to_owned())
+    }
+
+    /// Whether the surface is a direct conversation (a Slack DM, or a thread or the top level of
+    /// a chat last observed as p2p): routed as `dm`, no follows, cannot be muted.
+    pub fn is_direct(&self, surface: &SurfaceId) -> bool {
+        match surface {
+            SurfaceId::Slack { .. } => surface.is_slack_dm(),
+            SurfaceId::Chat { .. } => self.chat_kinds.get(&surface.top_level()) == Some(&ChatKind::P2p),
+            SurfaceId::Linear { .. } => false,
+        }
     }
 
     /// Whether the fold stopped deciding at or before `seq`.

@@ -160,23 +160,25 @@ pub fn mentions(text: &str, bot_user_id: &str) -> bool {
     plain.contains(&needle) || plain.contains(&needle_with_label)
 }
 
-/// The channel top level of a surface (itself when it is one).
+/// The channel (or chat) top level of a surface (itself when it is one).
 pub fn channel_of(surface: &SurfaceId) -> SurfaceId {
-    let SurfaceId::Slack { team, channel, .. } = surface;
-    SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: None }
+    surface.top_level()
 }
 
-/// The thread rooted at `ts` in the channel of `surface`.
+/// The thread rooted at the message `ts` (a chat message id) in the channel or chat of `surface`.
 pub fn thread_at(surface: &SurfaceId, ts: &str) -> SurfaceId {
-    let SurfaceId::Slack { team, channel, .. } = surface;
-    SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(ts.to_owned()) }
+    surface.thread_at(ts)
 }
 
 /// The facts of one observed message that routing needs.
 pub struct Observed<'a> {
     pub surface: &'a SurfaceId,
     pub row: &'a RowMeta,
-    pub is_app_mention: bool,
+    /// A Slack DM or a p2p chat.
+    pub direct: bool,
+    /// It addresses the agent: a Slack `app_mention` or `<@bot_user_id>` outside code, or a chat
+    /// message listing the agent's chat user id among its mentions.
+    pub mentioned: bool,
     pub is_bot: bool,
     pub text: &'a str,
 }
@@ -203,7 +205,7 @@ impl State {
         let ignored = |reason| Routed { route: Route::Ignored(reason), reply_to: None, note: None };
         let surface = observed.surface;
         let row = observed.row;
-        let dm = surface.is_dm();
+        let dm = observed.direct;
         let channel = channel_of(surface);
         if !dm {
             let membership = self.subscription(agent, &channel).is_some_and(|s| s.member);
@@ -221,8 +223,7 @@ impl State {
         if dm {
             return Routed { route: Route::Wake(WakeReason::Dm), reply_to: Some(surface.clone()), note: None };
         }
-        let bot_user_id = self.agents.get(&agent.to_owned()).map(|a| a.slack_bot_user_id.clone()).unwrap_or_default();
-        if observed.is_app_mention || mentions(observed.text, &bot_user_id) {
+        if observed.mentioned {
             let thread = match surface.thread_ts() {
                 Some(_) => surface.clone(),
                 None => thread_at(surface, &row.ts),
@@ -267,7 +268,7 @@ impl State {
         let target = match reason {
             WakeReason::ChannelFollow => channel_of(surface),
             WakeReason::ThreadFollow => surface.clone(),
-            WakeReason::Dm | WakeReason::Mention => return None,
+            WakeReason::Dm | WakeReason::Mention | WakeReason::Linear => return None,
         };
         let attention = &mut self.subscription_mut(agent, &target).attention;
         let kind = attention.count_wake(at.at_ns)?;
@@ -279,7 +280,7 @@ impl State {
     /// its thread, un-mutes it and resets its counters; a top-level channel post follows the
     /// thread it may start and resets the channel's counters.
     pub(crate) fn note_own_post(&mut self, at: LogPosition, agent: &str, surface: &SurfaceId, ts: &str) {
-        if surface.is_dm() {
+        if self.is_direct(surface) {
             return;
         }
         match surface.thread_ts() {
@@ -304,15 +305,25 @@ impl State {
         if !self.agents.contains_key(&request.agent_id) {
             return refused(RefusalKind::InvalidArgument, format!("agent {:?} is not registered", request.agent_id));
         }
-        let Some(target) = request.target.as_ref() else {
-            return refused(RefusalKind::InvalidArgument, "target is missing");
+        let surface = match (request.target.as_ref(), request.chat_target.as_ref()) {
+            (Some(slack), None) => SurfaceId::from_target(&proto::ReplyTarget {
+                target: Some(proto::reply_target::Target::Slack(slack.clone())),
+            })
+            .expect("a Slack target is a surface"),
+            (None, Some(chat)) => SurfaceId::from_chat_target(chat),
+            (None, None) => return refused(RefusalKind::InvalidArgument, "target is missing"),
+            (Some(_), Some(_)) => {
+                return refused(RefusalKind::InvalidArgument, "both a Slack and a chat target are set; set one")
+            }
         };
-        let surface = SurfaceId::from_target(&proto::ReplyTarget {
-            target: Some(proto::reply_target::Target::Slack(target.clone())),
-        })
-        .expect("a Slack target is a surface");
-        if surface.is_dm() {
+        if surface.is_slack_dm() {
             return refused(RefusalKind::InvalidArgument, format!("{surface} is a DM; DMs cannot be muted"));
+        }
+        if self.is_direct(&surface) {
+            return refused(
+                RefusalKind::InvalidArgument,
+                format!("{surface} is a p2p chat; p2p chats cannot be muted"),
+            );
         }
         let current = self.subscription(&request.agent_id, &surface).is_some_and(|s| s.muted);
         if !request.mute && !current {

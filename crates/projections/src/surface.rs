@@ -1,17 +1,45 @@
 //! Surfaces: where messages live and where posts go. A Slack channel's top level (or a DM's main
-//! timeline) and each of its threads are separate surfaces with separate journals.
+//! timeline) and each of its threads are separate surfaces with separate journals; so are a
+//! chat's top level and each of its threads (the generic chat platform, DESIGN §4.1).
 //!
-//! The canonical key (`slack:{team}:{channel}` or `slack:{team}:{channel}:thread:{thread_ts}`) is
-//! what the API shows and what plans carry. Ids are validated before they get here, so the `:`
-//! separator is unambiguous.
+//! The canonical key is what the API shows and what plans carry:
+//! `slack:{team}:{channel}`, `slack:{team}:{channel}:thread:{thread_ts}`, `chat:{tenant}:{chat}`
+//! and `chat:{tenant}:{chat}:thread:{thread}`. Slack ids are validated to letters and digits
+//! before they get here, so the `:` separator is unambiguous for them. Chat ids come from any
+//! platform and may contain `:` (Matrix room ids do), so in chat keys `%` and `:` are written as
+//! `%25` and `%3A`: [`SurfaceId::parse`] inverts [`std::fmt::Display`] exactly.
 
 use serde::{Deserialize, Serialize};
 
 use crate::proto;
 
+/// The variant order is part of the persisted order of every table keyed by surface: new
+/// variants go last.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum SurfaceId {
     Slack { team: String, channel: String, thread_ts: Option<String> },
+    Chat { tenant: String, chat: String, thread: Option<String> },
+    /// A Linear agent session (a UUID, validated at ingest): the surface and the reply target of
+    /// Linear wakes. It has no journal and no cursors; answers go through the response protocol.
+    Linear { session: String },
+}
+
+/// Whether a chat is one-to-one (behaves like a DM) or a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum ChatKind {
+    P2p,
+    Group,
+}
+
+impl ChatKind {
+    /// `None` for an unspecified or unknown kind.
+    pub fn from_proto(kind: i32) -> Option<Self> {
+        match proto::ChatKind::try_from(kind) {
+            Ok(proto::ChatKind::P2p) => Some(ChatKind::P2p),
+            Ok(proto::ChatKind::Group) => Some(ChatKind::Group),
+            Ok(proto::ChatKind::Unspecified) | Err(_) => None,
+        }
+    }
 }
 
 impl SurfaceId {
@@ -23,8 +51,16 @@ impl SurfaceId {
         SurfaceId::Slack { team: team.to_owned(), channel: channel.to_owned(), thread_ts }
     }
 
-    /// The outbound surface of a post: the thread when a thread ts is given, else the top level
-    /// (a channel's, or a DM's main timeline).
+    /// The surface of a chat message: its thread when `thread_id` is present, non-blank and
+    /// differs from its own message id (a thread root lives on the top level), else the top level.
+    pub fn chat_message(tenant: &str, chat: &str, message_id: &str, thread_id: &str) -> Self {
+        let thread = thread_id.trim();
+        let thread = (!thread.is_empty() && thread != message_id).then(|| thread.to_owned());
+        SurfaceId::Chat { tenant: tenant.to_owned(), chat: chat.to_owned(), thread }
+    }
+
+    /// The outbound surface of a post: the thread when a thread ts (id) is given, else the top
+    /// level (a channel's, a chat's, or a DM's main timeline).
     pub fn from_target(target: &proto::ReplyTarget) -> Option<Self> {
         match target.target.as_ref()? {
             proto::reply_target::Target::Slack(slack) => {
@@ -35,52 +71,130 @@ impl SurfaceId {
                     thread_ts: (!thread.is_empty()).then(|| thread.to_owned()),
                 })
             }
+            proto::reply_target::Target::Chat(chat) => Some(SurfaceId::from_chat_target(chat)),
+            proto::reply_target::Target::Linear(linear) => {
+                Some(SurfaceId::Linear { session: linear.session_id.clone() })
+            }
+        }
+    }
+
+    pub fn from_chat_target(target: &proto::ChatTarget) -> Self {
+        let thread = target.thread_id.trim();
+        SurfaceId::Chat {
+            tenant: target.tenant_id.clone(),
+            chat: target.chat_id.clone(),
+            thread: (!thread.is_empty()).then(|| thread.to_owned()),
         }
     }
 
     /// The reply target that posts to this surface.
     pub fn to_target(&self) -> proto::ReplyTarget {
-        match self {
-            SurfaceId::Slack { team, channel, thread_ts } => proto::ReplyTarget {
-                target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
-                    team_id: team.clone(),
-                    channel_id: channel.clone(),
-                    thread_ts: thread_ts.clone().unwrap_or_default(),
-                })),
-            },
-        }
+        let target = match self {
+            SurfaceId::Slack { team, channel, thread_ts } => proto::reply_target::Target::Slack(proto::SlackTarget {
+                team_id: team.clone(),
+                channel_id: channel.clone(),
+                thread_ts: thread_ts.clone().unwrap_or_default(),
+            }),
+            SurfaceId::Chat { tenant, chat, thread } => proto::reply_target::Target::Chat(proto::ChatTarget {
+                tenant_id: tenant.clone(),
+                chat_id: chat.clone(),
+                thread_id: thread.clone().unwrap_or_default(),
+            }),
+            SurfaceId::Linear { session } => {
+                proto::reply_target::Target::Linear(proto::LinearTarget { session_id: session.clone() })
+            }
+        };
+        proto::ReplyTarget { target: Some(target) }
     }
 
-    /// Slack DM channel ids start with `D`.
-    pub fn is_dm(&self) -> bool {
+    /// Slack DM channel ids start with `D`. Whether a chat is one-to-one is not in its id: the
+    /// fold remembers it from observations (`State::is_direct`).
+    pub fn is_slack_dm(&self) -> bool {
         match self {
             SurfaceId::Slack { channel, .. } => channel.starts_with('D'),
+            SurfaceId::Chat { .. } | SurfaceId::Linear { .. } => false,
         }
     }
 
+    /// The thread ts (Slack) or thread id (chat), when this is a thread.
     pub fn thread_ts(&self) -> Option<&str> {
         match self {
             SurfaceId::Slack { thread_ts, .. } => thread_ts.as_deref(),
+            SurfaceId::Chat { thread, .. } => thread.as_deref(),
+            SurfaceId::Linear { .. } => None,
         }
+    }
+
+    /// The top level of this surface's channel or chat (itself when it is one).
+    pub fn top_level(&self) -> SurfaceId {
+        match self {
+            SurfaceId::Slack { team, channel, .. } => {
+                SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: None }
+            }
+            SurfaceId::Chat { tenant, chat, .. } => {
+                SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: None }
+            }
+            SurfaceId::Linear { .. } => self.clone(),
+        }
+    }
+
+    /// The thread rooted at the message `ts` (Slack) or message id (chat) in this surface's
+    /// channel or chat.
+    pub fn thread_at(&self, root: &str) -> SurfaceId {
+        match self {
+            SurfaceId::Slack { team, channel, .. } => {
+                SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(root.to_owned()) }
+            }
+            SurfaceId::Chat { tenant, chat, .. } => {
+                SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: Some(root.to_owned()) }
+            }
+            // A session has no threads.
+            SurfaceId::Linear { .. } => self.clone(),
+        }
+    }
+
+    /// Whether rows of this surface are ordered by their Slack ts. Chat rows have no platform
+    /// time: their order is the log's.
+    pub fn orders_by_ts(&self) -> bool {
+        matches!(self, SurfaceId::Slack { .. })
     }
 
     /// Parses a canonical key; `None` when it is not one.
     pub fn parse(key: &str) -> Option<Self> {
-        let mut parts = key.split(':');
-        if parts.next()? != "slack" {
-            return None;
+        if let Some(session) = key.strip_prefix("linear:") {
+            let valid = !session.is_empty() && session.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
+            return valid.then(|| SurfaceId::Linear { session: session.to_owned() });
         }
-        let team = parts.next().filter(|s| !s.is_empty())?.to_owned();
-        let channel = parts.next().filter(|s| !s.is_empty())?.to_owned();
-        let thread_ts = match (parts.next(), parts.next()) {
+        let mut parts = key.split(':');
+        let platform = parts.next()?;
+        let first = parts.next().filter(|s| !s.is_empty())?;
+        let second = parts.next().filter(|s| !s.is_empty())?;
+        let thread = match (parts.next(), parts.next()) {
             (None, _) => None,
-            (Some("thread"), Some(ts)) if !ts.is_empty() => Some(ts.to_owned()),
+            (Some("thread"), Some(thread)) if !thread.is_empty() => Some(thread),
             _ => return None,
         };
         if parts.next().is_some() {
             return None;
         }
-        Some(SurfaceId::Slack { team, channel, thread_ts })
+        let surface = match platform {
+            "slack" => SurfaceId::Slack {
+                team: first.to_owned(),
+                channel: second.to_owned(),
+                thread_ts: thread.map(str::to_owned),
+            },
+            "chat" => SurfaceId::Chat {
+                tenant: unescape_key_part(first)?,
+                chat: unescape_key_part(second)?,
+                thread: match thread {
+                    Some(thread) => Some(unescape_key_part(thread)?),
+                    None => None,
+                },
+            },
+            _ => return None,
+        };
+        // Only canonical keys parse: one surface, one key.
+        (surface.to_string() == key).then_some(surface)
     }
 }
 
@@ -91,14 +205,77 @@ impl std::fmt::Display for SurfaceId {
             SurfaceId::Slack { team, channel, thread_ts: Some(ts) } => {
                 write!(f, "slack:{team}:{channel}:thread:{ts}")
             }
+            SurfaceId::Chat { tenant, chat, thread } => {
+                write!(f, "chat:{}:{}", escape_key_part(tenant), escape_key_part(chat))?;
+                if let Some(thread) = thread {
+                    write!(f, ":thread:{}", escape_key_part(thread))?;
+                }
+                Ok(())
+            }
+            SurfaceId::Linear { session } => write!(f, "linear:{session}"),
         }
     }
+}
+
+/// Writes `%` as `%25` and `:` as `%3A`, so a chat id cannot split a key.
+fn escape_key_part(raw: &str) -> std::borrow::Cow<'_, str> {
+    if !raw.contains(['%', ':']) {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    std::borrow::Cow::Owned(raw.replace('%', "%25").replace(':', "%3A"))
+}
+
+/// Inverse of [`escape_key_part`]; `None` for any other `%` sequence.
+fn unescape_key_part(part: &str) -> Option<String> {
+    let mut out = String::with_capacity(part.len());
+    let mut rest = part;
+    while let Some(index) = rest.find('%') {
+        out.push_str(&rest[..index]);
+        let escape = rest.get(index..index + 3)?;
+        match escape {
+            "%25" => out.push('%'),
+            "%3A" => out.push(':'),
+            _ => return None,
+        }
+        rest = &rest[index + 3..];
+    }
+    out.push_str(rest);
+    Some(out)
 }
 
 /// The identity of a Slack message, the same for every delivery of it:
 /// `slack:{team}:{channel}:{ts}`.
 pub fn slack_message_identity(team: &str, channel: &str, ts: &str) -> String {
     format!("slack:{team}:{channel}:{ts}")
+}
+
+/// A Linear receipt's kind, as it appears in the receipt identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum LinearReceiptKind {
+    Created,
+    Prompted,
+}
+
+impl LinearReceiptKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LinearReceiptKind::Created => "created",
+            LinearReceiptKind::Prompted => "prompted",
+        }
+    }
+}
+
+/// The receipt identity of a Linear session event (DESIGN §4.1):
+/// `linear:{installation}:{created|prompted}:{session id | agent activity id}`. The first receipt
+/// wins; it is also the wake item id.
+pub fn linear_receipt_identity(installation: &str, kind: LinearReceiptKind, id: &str) -> String {
+    format!("linear:{}:{}:{}", escape_key_part(installation), kind.as_str(), escape_key_part(id))
+}
+
+/// The identity of a chat message, the same for every delivery of it:
+/// `chat:{tenant}:{chat}:{message_id}`, each id escaped as in surface keys.
+pub fn chat_message_identity(tenant: &str, chat: &str, message_id: &str) -> String {
+    format!("chat:{}:{}:{}", escape_key_part(tenant), escape_key_part(chat), escape_key_part(message_id))
 }
 
 #[cfg(test)]
@@ -120,5 +297,63 @@ mod tests {
         assert_eq!(SurfaceId::parse("slack:T1"), None);
         assert_eq!(SurfaceId::parse("slack:T1:C1:thread:"), None);
         assert_eq!(SurfaceId::parse("linear:x:y"), None);
+    }
+
+    #[test]
+    fn chat_threads_and_keys() {
+        let top = SurfaceId::chat_message("t1", "oc_1", "om_1", "");
+        assert_eq!(top.to_string(), "chat:t1:oc_1");
+        assert_eq!(SurfaceId::chat_message("t1", "oc_1", "om_1", "om_1"), top, "a thread root is top level");
+        let reply = SurfaceId::chat_message("t1", "oc_1", "om_2", "om_1");
+        assert_eq!(reply.to_string(), "chat:t1:oc_1:thread:om_1");
+        assert_eq!(reply.top_level(), top);
+        assert_eq!(top.thread_at("om_1"), reply);
+        assert_eq!(SurfaceId::parse("chat:t1:oc_1"), Some(top.clone()));
+        assert_eq!(SurfaceId::parse("chat:t1:oc_1:thread:om_1"), Some(reply.clone()));
+        assert_eq!(SurfaceId::from_target(&reply.to_target()), Some(reply));
+        assert!(top < SurfaceId::parse("chat:t1:oc_2").unwrap());
+        assert!(SurfaceId::parse("slack:T9:C9").unwrap() < top, "new variants sort after Slack");
+    }
+
+    #[test]
+    fn chat_ids_with_separators_round_trip_and_only_canonical_keys_parse() {
+        let odd = SurfaceId::Chat {
+            tenant: "a:b%c".into(),
+            chat: "!room:matrix.org".into(),
+            thread: Some("$ev:x%3A".into()),
+        };
+        let key = odd.to_string();
+        assert_eq!(key, "chat:a%3Ab%25c:!room%3Amatrix.org:thread:$ev%3Ax%253A");
+        assert_eq!(SurfaceId::parse(&key), Some(odd));
+        for bad in [
+            "chat:t:c:thread",
+            "chat::c",
+            "chat:t:%3a",
+            "chat:t:%41",
+            "chat:t:%",
+            "chat:t:c:x:y",
+            "chat:t:c:thread:a:b",
+        ] {
+            assert_eq!(SurfaceId::parse(bad), None, "{bad}");
+        }
+        assert_eq!(chat_message_identity("t", "a:b", "m%"), "chat:t:a%3Ab:m%25");
+    }
+
+    proptest::proptest! {
+        /// Any non-empty chat ids: the key parses back to the surface, and distinct surfaces
+        /// have distinct keys (the key is the surface's identity in plans and the API).
+        #[test]
+        fn chat_keys_round_trip(
+            tenant in "[a:%3A5_ ]{1,6}",
+            chat in "(?s).{1,8}",
+            thread in proptest::option::of("[a:%b]{1,6}"),
+            other in "[a:%3A]{1,6}",
+        ) {
+            let surface = SurfaceId::Chat { tenant: tenant.clone(), chat, thread };
+            proptest::prop_assert_eq!(SurfaceId::parse(&surface.to_string()), Some(surface.clone()));
+            let SurfaceId::Chat { chat, thread, .. } = &surface else { unreachable!() };
+            let moved = SurfaceId::Chat { tenant: other.clone(), chat: chat.clone(), thread: thread.clone() };
+            proptest::prop_assert_eq!(tenant == other, moved.to_string() == surface.to_string());
+        }
     }
 }

@@ -25,6 +25,10 @@ pub enum Verdict {
     Recovered { item_id: String },
     SubscriptionChanged { surface: SurfaceId, muted: bool },
     Finished { item_id: String, requeued: bool },
+    /// A Linear session event was folded for its receiving agent.
+    LinearSession(LinearSessionVerdict),
+    /// A Linear response request or outcome was decided: the response's activity id and state.
+    LinearResponse(LinearResponseVerdict),
     /// The request was refused. Nothing changed, except that a start refused as stale returns
     /// its item to the front of the queue, so the next claim prepares a fresh plan.
     Refused(Refusal),
@@ -86,6 +90,29 @@ pub struct ClaimedWake {
     /// Rows after the cursors that are not shown.
     pub not_shown: u64,
     pub settled_without_turn: Vec<String>,
+}
+
+/// What one Linear session event did for its receiving agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearSessionVerdict {
+    pub agent: String,
+    pub session: String,
+    /// The receipt id (`None` for a stop, which is no receipt).
+    pub receipt: Option<String>,
+    /// The receipt was seen before: the first one won, this one woke nothing.
+    pub duplicate_receipt: bool,
+    /// The wake it queued (`None`: duplicate receipt or item, a full queue, or a stop).
+    pub wake: Option<WakeReason>,
+    /// For a stop: the queued items of the session it removed.
+    pub removed: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearResponseVerdict {
+    pub activity_id: String,
+    pub state: crate::linear::LinearResponseState,
+    /// The same key was requested before: this is its earlier activity id and state.
+    pub repeated: bool,
 }
 
 /// Why a request was refused, in the terms the API reports.

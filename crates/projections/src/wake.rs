@@ -25,6 +25,8 @@ pub enum WakeReason {
     Mention,
     ThreadFollow,
     ChannelFollow,
+    /// A Linear agent session was created or prompted. Never counted for attention notes.
+    Linear,
 }
 
 impl WakeReason {
@@ -34,6 +36,7 @@ impl WakeReason {
             WakeReason::Mention => "mention",
             WakeReason::ThreadFollow => "thread_follow",
             WakeReason::ChannelFollow => "channel_follow",
+            WakeReason::Linear => "linear",
         }
     }
 }
@@ -41,7 +44,8 @@ impl WakeReason {
 /// One wake waiting in (or taken from) an agent's queue.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WakeItem {
-    /// The triggering message's identity (`slack:{team}:{channel}:{ts}`).
+    /// The triggering message's identity (`slack:{team}:{channel}:{ts}` or
+    /// `chat:{tenant}:{chat}:{message_id}`).
     pub id: String,
     pub reason: WakeReason,
     pub trigger_surface: SurfaceId,
@@ -55,6 +59,20 @@ pub struct WakeItem {
     pub resume_after_restart: bool,
     /// A mute suggestion this wake carries.
     pub note: Option<AttentionNote>,
+    /// Set for Linear wakes: what the wake text shows besides the prompt. The trigger "row" of a
+    /// Linear wake is the session event itself (ordinal 0, on no journal): its body is the prompt.
+    pub linear: Option<LinearWake>,
+}
+
+/// The non-content fields of the Linear session event behind a wake.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearWake {
+    pub kind: crate::surface::LinearReceiptKind,
+    pub session_id: String,
+    /// The prompt's agent activity id (`prompted` only; empty for `created`).
+    pub agent_activity_id: String,
+    pub issue_identifier: String,
+    pub issue_url: String,
 }
 
 /// One surface of a plan: the cursor the start expects, and where the start moves it.
@@ -89,8 +107,7 @@ pub struct AgentQueue {
 
 impl AgentQueue {
     pub fn holds(&self, item_id: &str) -> bool {
-        self.queued.iter().any(|i| i.id == item_id)
-            || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
+        self.queued.iter().any(|i| i.id == item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
     }
 }
 
@@ -152,13 +169,15 @@ impl State {
         }
     }
 
-    /// The surfaces a wake's plan covers: the trigger's surface, and for a channel's top level
-    /// also the response thread at the trigger.
+    /// The surfaces a wake's plan covers: the trigger's surface, and the surface the answer goes
+    /// to when that is another one — the response thread at the trigger, for a channel's (or a
+    /// group chat's) top level. DMs, p2p chats and threads are answered where they are.
     fn plan_surfaces(item: &WakeItem) -> Vec<SurfaceId> {
-        let SurfaceId::Slack { team, channel, thread_ts } = &item.trigger_surface;
-        if thread_ts.is_none() && !item.trigger_surface.is_dm() {
-            let thread = SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(item.trigger.ts.clone()) };
-            vec![item.trigger_surface.clone(), thread]
+        if item.linear.is_some() {
+            // A Linear session has no journal: its plan moves nothing.
+            Vec::new()
+        } else if item.reply_to != item.trigger_surface {
+            vec![item.trigger_surface.clone(), item.reply_to.clone()]
         } else {
             vec![item.trigger_surface.clone()]
         }
@@ -208,10 +227,16 @@ impl State {
                 PlanEntry { surface: surface.clone(), expected, target }
             })
             .collect();
-        let trigger_after_cursor = u64::from(self.cursor(agent, &item.trigger_surface).unwrap_or(0) < item.trigger.ordinal);
+        let trigger_after_cursor =
+            u64::from(self.cursor(agent, &item.trigger_surface).unwrap_or(0) < item.trigger.ordinal);
         let not_shown = after_cursors.saturating_sub(selected.len() as u64 + trigger_after_cursor);
-        let mut rows: Vec<RowMeta> = selected.into_iter().map(|(_, r)| r.clone()).collect();
-        rows.sort_by(|a, b| (a.ts_seconds, &a.ts, a.seq).cmp(&(b.ts_seconds, &b.ts, b.seq)));
+        // Conversation-time order: Slack ts, then log order. Chat rows carry the log's time, so
+        // their order is the log's.
+        let order = |(surface, row): &(&SurfaceId, &RowMeta)| {
+            (row.ts_seconds, surface.orders_by_ts().then(|| row.ts.clone()), row.seq)
+        };
+        selected.sort_by_cached_key(order);
+        let rows: Vec<RowMeta> = selected.into_iter().map(|(_, r)| r.clone()).collect();
         (plan, rows, not_shown)
     }
 
@@ -226,7 +251,10 @@ impl State {
         if let Some(active) = self.queue(&agent).and_then(|q| q.active.as_ref()) {
             return refused(
                 RefusalKind::Aborted,
-                format!("the agent already has a {} wake; this claim lost", if active.started_seq.is_some() { "running" } else { "claimed" }),
+                format!(
+                    "the agent already has a {} wake; this claim lost",
+                    if active.started_seq.is_some() { "running" } else { "claimed" }
+                ),
             );
         }
         let mut settled_without_turn = Vec::new();
@@ -245,7 +273,12 @@ impl State {
                     None if settled_without_turn.contains(&request.item_id) => {
                         return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn })
                     }
-                    None => return refused(RefusalKind::Aborted, "that item is not queued for this agent (claimed elsewhere or settled)"),
+                    None => {
+                        return refused(
+                            RefusalKind::Aborted,
+                            "that item is not queued for this agent (claimed elsewhere or settled)",
+                        )
+                    }
                 }
             };
             let item = queue.queued[index].clone();
@@ -292,7 +325,10 @@ impl State {
         let mut plan = Vec::with_capacity(request.plan.len());
         for entry in &request.plan {
             let Some(surface) = SurfaceId::parse(&entry.surface) else {
-                return refused(RefusalKind::InvalidArgument, format!("plan surface {:?} is not a surface key", entry.surface));
+                return refused(
+                    RefusalKind::InvalidArgument,
+                    format!("plan surface {:?} is not a surface key", entry.surface),
+                );
             };
             plan.push(PlanEntry {
                 surface,
@@ -301,7 +337,10 @@ impl State {
             });
         }
         if plan != active.plan {
-            return refused(RefusalKind::InvalidArgument, "plan differs from the one the claim prepared; hand it back unchanged");
+            return refused(
+                RefusalKind::InvalidArgument,
+                "plan differs from the one the claim prepared; hand it back unchanged",
+            );
         }
         if let Some(moved) = plan.iter().find(|p| self.cursor(&agent, &p.surface) != p.expected) {
             let message = format!(
@@ -319,7 +358,10 @@ impl State {
         for entry in &plan {
             let tail = self.journals.get(&entry.surface).map_or(0, |j| j.tail);
             if entry.target > tail {
-                return refused(RefusalKind::FailedPrecondition, format!("plan target {} is beyond the tail {tail} of {}", entry.target, entry.surface));
+                return refused(
+                    RefusalKind::FailedPrecondition,
+                    format!("plan target {} is beyond the tail {tail} of {}", entry.target, entry.surface),
+                );
             }
         }
         for entry in plan {

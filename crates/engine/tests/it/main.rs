@@ -1,4 +1,5 @@
 //! The engine's one integration-test binary (STYLE 10): each area is a module.
 
 mod conformance;
+mod replay;
 mod runner;

@@ -36,6 +36,7 @@ pub fn agent(agent_id: &str, bot_user_id: &str, bot_id: &str) -> Envelope {
             slack_bot_user_id: bot_user_id.to_owned(),
             slack_bot_id: bot_id.to_owned(),
             display_name: agent_id.to_owned(),
+            chat_user_id: String::new(),
         }),
     )
 }

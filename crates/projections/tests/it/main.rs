@@ -7,11 +7,15 @@
 //! The vocabulary of events is in [`events`]; stamping, folding and resolving requests from state
 //! is in [`log`].
 
+mod chat;
 mod determinism;
 mod events;
 mod journal;
+mod linear;
 mod log;
+mod redact;
 mod schema;
 mod send_hold;
 mod routing;
 mod wake;
+mod wake_text;

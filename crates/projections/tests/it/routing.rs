@@ -41,6 +41,7 @@ fn mute(target_thread: Option<&str>, muted: bool) -> Envelope {
                 thread_ts: target_thread.unwrap_or_default().into(),
             }),
             mute: muted,
+            chat_target: None,
         })),
     }
 }

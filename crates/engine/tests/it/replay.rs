@@ -1,0 +1,430 @@
+//! Replay of a scripted incident: state at three points, why a send was held, filtered reads,
+//! content-free counts, a tap that goes live, and `verify` against a real checkpoint — passing,
+//! then naming the first differing key once the checkpoint is tampered with. Also: a data dir
+//! held by a running instance is refused as locked, and a rebuild equals the live fold.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anima_engine::checkpoint::STATE_PREFIX;
+use anima_engine::instance::{Backend, Instance, InstanceConfig};
+use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use anima_engine::log::{AppendRecord, EventLog};
+use anima_engine::replay::{
+    self, DirectSource, EventFilter, LogPoint, LogRange, ReadQuery, ReplayConfig, ReplayError, Replayer,
+    EMBEDDED_CHECKPOINT_TREE,
+};
+use anima_engine::subject;
+use anima_projections::proto::{self, envelope::Payload, Envelope};
+use anima_projections::redact::TimeBucket;
+use anima_projections::surface::SurfaceId;
+use anima_projections::verdict::{SendVerdict, Verdict};
+use anima_projections::{LogPosition, State};
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use prost::Message;
+
+const WAIT: Duration = Duration::from_secs(20);
+const TEAM: &str = "T1";
+const DM: &str = "D1";
+
+fn envelope(id: &str, payload: Payload) -> Envelope {
+    Envelope {
+        event_id: id.to_owned(),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".into(),
+        payload: Some(payload),
+    }
+}
+
+fn ts(n: u64) -> String {
+    format!("{}.000100", 1_700_000_000 + n)
+}
+
+fn target() -> proto::ReplyTarget {
+    proto::ReplyTarget {
+        target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
+            team_id: TEAM.into(),
+            channel_id: DM.into(),
+            thread_ts: String::new(),
+        })),
+    }
+}
+
+fn dm_from_human(n: u64, text: &str) -> AppendRecord {
+    let message = envelope(
+        &format!("dm-{n}"),
+        Payload::SlackMessage(proto::SlackMessageObserved {
+            receiving_agent_id: "ada".into(),
+            kind: proto::SlackDeliveryKind::Message as i32,
+            team_id: TEAM.into(),
+            channel_id: DM.into(),
+            ts: ts(n),
+            user_id: "U1".into(),
+            text: text.into(),
+            user_name: "MARKER-name".into(),
+            ..Default::default()
+        }),
+    );
+    record(subject::slack_surface_subject(TEAM, DM, None), &message)
+}
+
+fn send(n: u64) -> AppendRecord {
+    let request = envelope(
+        &format!("send-{n}"),
+        Payload::Send(proto::SendRequested {
+            agent_id: "ada".into(),
+            target: Some(target()),
+            kind: proto::SendKind::Message as i32,
+            draft_bytes: 12,
+        }),
+    );
+    record(subject::slack_surface_subject(TEAM, DM, None), &request)
+}
+
+fn record(subject: String, envelope: &Envelope) -> AppendRecord {
+    AppendRecord { subject, msg_id: envelope.event_id.clone(), payload: Bytes::from(envelope.encode_to_vec()) }
+}
+
+fn agent_record(id: &str, payload: Payload) -> AppendRecord {
+    record(subject::agent_subject("ada"), &envelope(id, payload))
+}
+
+/// The incident: ada is woken by a DM, starts, another DM arrives, her send is held, the resend
+/// is allowed, she posts and finishes.
+///
+/// | seq | event |
+/// |---|---|
+/// | 1 | ada registered |
+/// | 2 | DM #1 from U1 (wake dm) |
+/// | 3 | claim |
+/// | 4 | start: cursor 1 |
+/// | 5 | DM #2 from U1 (queued) |
+/// | 6 | send: held over #2 |
+/// | 7 | send: allowed |
+/// | 8 | ada's post confirmed (#3) |
+/// | 9 | finish completed |
+async fn incident(log: &dyn EventLog) {
+    let registration = Payload::AgentRegistered(proto::AgentRegistered {
+        agent_id: "ada".into(),
+        slack_bot_user_id: "U0ADA".into(),
+        slack_bot_id: "B0ADA".into(),
+        display_name: "MARKER-display".into(),
+        ..Default::default()
+    });
+    let claim = Payload::WakeClaim(proto::WakeClaimRequested {
+        agent_id: "ada".into(),
+        worker_id: "w1".into(),
+        ..Default::default()
+    });
+    let first = [agent_record("agent", registration), dm_from_human(1, "MARKER-hello"), agent_record("claim", claim)];
+    let mut state = State::new();
+    for record in first {
+        let seq = log.append(record.clone()).await.unwrap().seq();
+        state.apply_bytes(LogPosition { seq, at_ns: seq as i64 }, &record.payload);
+    }
+    // The runtime hands back the plan its claim returned.
+    let active = state.queue("ada").and_then(|q| q.active.clone()).expect("the claim took the wake");
+    let plan = active
+        .plan
+        .iter()
+        .map(|entry| proto::PlanSurface {
+            surface: entry.surface.to_string(),
+            expected_present: entry.expected.is_some(),
+            expected_ordinal: entry.expected.unwrap_or_default(),
+            target_ordinal: entry.target,
+        })
+        .collect();
+    let start = Payload::WakeStart(proto::WakeStartRequested {
+        agent_id: "ada".into(),
+        worker_id: "w1".into(),
+        item_id: active.item.id.clone(),
+        plan,
+    });
+    let confirmed = envelope(
+        "confirmed",
+        Payload::SendConfirmed(proto::SendConfirmed {
+            agent_id: "ada".into(),
+            target: Some(target()),
+            kind: proto::SendKind::Message as i32,
+            ts: ts(3),
+            text: "MARKER-reply".into(),
+            ..Default::default()
+        }),
+    );
+    let finish = Payload::WakeFinish(proto::WakeFinishRequested {
+        agent_id: "ada".into(),
+        worker_id: "w1".into(),
+        item_id: active.item.id.clone(),
+        outcome: proto::WakeOutcome::Completed as i32,
+        reason: "MARKER-reason".into(),
+        ..Default::default()
+    });
+    let rest = [
+        agent_record("start", start),
+        dm_from_human(2, "MARKER-are you there?"),
+        send(6),
+        send(7),
+        record(subject::slack_surface_subject(TEAM, DM, None), &confirmed),
+        agent_record("finish", finish),
+    ];
+    for record in rest {
+        log.append(record).await.unwrap();
+    }
+    assert_eq!(log.last_seq().await.unwrap(), 9);
+}
+
+async fn incident_log() -> Arc<dyn EventLog> {
+    let db = sled::Config::new().temporary(true).open().unwrap();
+    let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).unwrap());
+    incident(log.as_ref()).await;
+    log
+}
+
+fn dm() -> SurfaceId {
+    SurfaceId::Slack { team: TEAM.into(), channel: DM.into(), thread_ts: None }
+}
+
+#[tokio::test]
+async fn state_at_three_points_gives_the_cursors_and_the_queue() {
+    let log = incident_log().await;
+    let replayer = Replayer::new(log.clone(), ReplayConfig::default());
+
+    let woken = replayer.rebuild(Some(LogPoint::Seq(2))).await.unwrap();
+    assert_eq!(woken.seq, 2);
+    assert_eq!(woken.state.cursor("ada", &dm()), None);
+    let queue = woken.state.queue("ada").unwrap();
+    assert_eq!(queue.queued.iter().map(|i| i.reason.as_str()).collect::<Vec<_>>(), ["dm"]);
+    assert!(queue.active.is_none());
+
+    let started = replayer.rebuild(Some(LogPoint::Seq(4))).await.unwrap();
+    assert_eq!(started.state.cursor("ada", &dm()), Some(1));
+    let active = started.state.queue("ada").unwrap().active.clone().unwrap();
+    assert_eq!(active.started_seq, Some(4));
+
+    let finished = replayer.rebuild(Some(LogPoint::Seq(9))).await.unwrap();
+    assert_eq!(finished.state.cursor("ada", &dm()), Some(2), "the hold moved the cursor to the tail");
+    assert_eq!(finished.state.journal(&dm()).unwrap().tail, 3);
+    let queue = finished.state.queue("ada").unwrap();
+    assert!(queue.active.is_none());
+    assert_eq!(queue.queued.len(), 1, "the second DM waits (its row is covered: the next claim settles it)");
+
+    // A log time means the newest event at or before it.
+    let time_of_4 = log.get(4).await.unwrap().unwrap().timestamp_ns;
+    let by_time = replayer.rebuild(Some(LogPoint::TimeNs(time_of_4))).await.unwrap();
+    assert_eq!(by_time.seq, 4);
+    assert_eq!(by_time.state_sha256(), started.state_sha256());
+    // Rebuilt from the start or from a snapshot, the state is the same.
+    let fresh = Replayer::new(log.clone(), ReplayConfig::default()).rebuild(Some(LogPoint::Seq(9))).await.unwrap();
+    assert_eq!(fresh.state.canonical_bytes(), finished.state.canonical_bytes());
+
+    let beyond = replayer.rebuild(Some(LogPoint::Seq(10))).await.unwrap_err();
+    assert!(matches!(beyond, ReplayError::InvalidArgument { field: "at.seq", .. }), "{beyond}");
+}
+
+#[tokio::test]
+async fn explain_names_the_foreign_rows_of_a_held_send() {
+    let log = incident_log().await;
+    let replayer = Replayer::new(log, ReplayConfig::default());
+
+    let held = replayer.explain(6).await.unwrap();
+    assert_eq!(held.event_type, "send");
+    assert!(matches!(held.verdict, Some(Verdict::Send(SendVerdict::Held(_)))), "{:?}", held.verdict);
+    let cursor = held.cursor.clone().unwrap();
+    assert_eq!((cursor.cursor, cursor.tail, cursor.foreign_rows_after_cursor), (Some(1), 2, 1));
+    let rows: Vec<(u64, u64, &str)> =
+        cursor.rows_after_cursor.iter().map(|r| (r.ordinal, r.seq, r.user_id.as_str())).collect();
+    assert_eq!(rows, [(2, 5, "U1")]);
+    let facts = held.facts.join("\n");
+    assert!(facts.contains("#2 (seq 5, user U1)") && facts.contains("held"), "{facts}");
+
+    let allowed = replayer.explain(7).await.unwrap();
+    assert!(matches!(allowed.verdict, Some(Verdict::Send(SendVerdict::Allowed { .. }))));
+    let cursor = allowed.cursor.unwrap();
+    assert_eq!((cursor.cursor, cursor.tail, cursor.rows_after_cursor.len()), (Some(2), 2, 0));
+    assert!(allowed.facts.join("\n").contains("no row is after the cursor"), "{:?}", allowed.facts);
+
+    let start = replayer.explain(4).await.unwrap();
+    assert!(start.facts.iter().any(|f| f.contains("still was")), "{:?}", start.facts);
+
+    assert!(matches!(replayer.explain(99).await, Err(ReplayError::NotFound(_))));
+    assert!(matches!(replayer.explain(0).await, Err(ReplayError::InvalidArgument { .. })));
+}
+
+async fn read_seqs(replayer: &Replayer, query: ReadQuery) -> Vec<u64> {
+    let events: Vec<_> = replayer.read(query).await.unwrap().try_collect().await.unwrap();
+    events.iter().map(|e| e.record.seq).collect()
+}
+
+#[tokio::test]
+async fn read_filters_by_surface_agent_type_range_and_limit() {
+    let log = incident_log().await;
+    let replayer = Replayer::new(log.clone(), ReplayConfig::default());
+    let all = ReadQuery::default();
+    assert_eq!(read_seqs(&replayer, all.clone()).await, (1..=9).collect::<Vec<_>>());
+
+    let surface = EventFilter { surface: Some(dm()), ..EventFilter::default() };
+    assert_eq!(read_seqs(&replayer, ReadQuery { filter: surface, ..all.clone() }).await, [2, 5, 6, 7, 8]);
+
+    let bob = EventFilter { agent: Some("bob".into()), ..EventFilter::default() };
+    assert!(read_seqs(&replayer, ReadQuery { filter: bob, ..all.clone() }).await.is_empty());
+    let ada = EventFilter { agent: Some("ada".into()), ..EventFilter::default() };
+    assert_eq!(read_seqs(&replayer, ReadQuery { filter: ada, ..all.clone() }).await.len(), 9);
+
+    let sends = EventFilter { event_types: BTreeSet::from(["send".to_owned()]), ..EventFilter::default() };
+    let query = ReadQuery { filter: sends, with_verdicts: true, ..all.clone() };
+    let events: Vec<_> = replayer.read(query).await.unwrap().try_collect().await.unwrap();
+    let verdicts: Vec<&str> = events
+        .iter()
+        .map(|e| match &e.verdict {
+            Some(Verdict::Send(SendVerdict::Held(_))) => "held",
+            Some(Verdict::Send(SendVerdict::Allowed { .. })) => "allowed",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(verdicts, ["held", "allowed"]);
+
+    let time = |seq| {
+        let log = log.clone();
+        async move { log.get(seq).await.unwrap().unwrap().timestamp_ns }
+    };
+    let range = LogRange { from: Some(LogPoint::TimeNs(time(4).await)), to: Some(LogPoint::TimeNs(time(6).await)) };
+    assert_eq!(read_seqs(&replayer, ReadQuery { range, ..all.clone() }).await, [4, 5, 6]);
+    let range = LogRange { from: Some(LogPoint::TimeNs(time(4).await - 1)), to: Some(LogPoint::TimeNs(0)) };
+    assert!(read_seqs(&replayer, ReadQuery { range, ..all.clone() }).await.is_empty());
+    let range = LogRange { from: Some(LogPoint::Seq(3)), to: None };
+    assert_eq!(read_seqs(&replayer, ReadQuery { range, limit: Some(2), ..all }).await, [3, 4]);
+}
+
+#[tokio::test]
+async fn counts_give_the_hold_rate_wakes_and_placements_without_content() {
+    let log = incident_log().await;
+    let replayer = Replayer::new(log, ReplayConfig::default());
+    let (from, to, counts) = replayer.counts(LogRange::default(), TimeBucket::Day).await.unwrap();
+    assert_eq!((from, to), (1, 9));
+    let total = &counts.total;
+    assert_eq!((total.events, total.sends_allowed, total.sends_held), (9, 1, 1));
+    assert_eq!(total.send_hold_rate(), 0.5);
+    assert_eq!(total.wakes_by_reason.get("dm"), Some(&2));
+    assert_eq!((total.claims, total.starts), (1, 1));
+    assert_eq!(total.finishes_by_outcome.get("completed"), Some(&1));
+    assert_eq!((total.dm_replies_top_level, total.dm_replies_threaded), (1, 0));
+    let types: u64 = counts.buckets.values().flat_map(|b| b.types.values()).map(|t| t.events).sum();
+    assert_eq!(types, 9);
+    assert!(!format!("{counts:?}").contains("MARKER"));
+
+    // Counting only a part still judges it with the state before it.
+    let (_, _, sends) = replayer
+        .counts(LogRange { from: Some(LogPoint::Seq(6)), to: Some(LogPoint::Seq(6)) }, TimeBucket::Minute)
+        .await
+        .unwrap();
+    assert_eq!((sends.total.events, sends.total.sends_held), (1, 1));
+}
+
+async fn start_instance(dir: &std::path::Path) -> Instance {
+    Instance::start(InstanceConfig::new(dir, Backend::Embedded(EmbeddedConfig::default()))).await.unwrap()
+}
+
+#[tokio::test]
+async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let instance = start_instance(dir.path()).await;
+    incident(instance.engine.log().as_ref()).await;
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+
+    // While the instance runs, the data dir is locked.
+    let locked = DirectSource::open_data_dir(dir.path()).unwrap_err();
+    assert!(matches!(locked, ReplayError::Locked { .. }), "{locked}");
+
+    // A tap sends redacted events with the live outcomes, then goes live.
+    let mut tap =
+        replay::tap(instance.engine.log().clone(), Some(instance.engine.projection().clone()), 6, BTreeSet::new())
+            .await
+            .unwrap();
+    let first = tokio::time::timeout(WAIT, tap.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!((first.seq, first.outcome.map(|o| o.kind)), (6, Some("send_held".to_owned())));
+    for _ in 7..=9 {
+        tokio::time::timeout(WAIT, tap.next()).await.unwrap().unwrap().unwrap();
+    }
+    instance.engine.log().append(send(10)).await.unwrap();
+    let live_event = tokio::time::timeout(WAIT, tap.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!((live_event.seq, live_event.event_type.as_str()), (10, "send"));
+    assert!(!format!("{live_event:?}").contains("MARKER"));
+    drop(tap);
+    instance.engine.projection().wait_applied(10, WAIT).await.unwrap();
+    let live_after = instance.engine.projection().state().canonical_bytes();
+    instance.stop().await.unwrap();
+
+    let source = DirectSource::open_data_dir(dir.path()).unwrap();
+    let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
+    let nine = replayer.rebuild(Some(LogPoint::Seq(9))).await.unwrap();
+    assert_eq!(nine.state.canonical_bytes(), live, "a rebuild equals the live fold");
+    let ten = replayer.rebuild(None).await.unwrap();
+    assert_eq!(ten.state.canonical_bytes(), live_after);
+    let report = source.verify(ReplayConfig::default()).await.unwrap();
+    assert!(report.passed(), "{report:?}");
+    assert_eq!((report.applied_seq, report.checkpoint_sha256 == report.rebuilt_sha256), (10, true));
+    drop((source, replayer));
+
+    // Tamper with ada's cursor on the DM in the checkpoint.
+    {
+        let db = sled::Config::new().path(dir.path()).open().unwrap();
+        let tree = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
+        let cursors_tag = 6u8;
+        let (key, _) = tree.scan_prefix([STATE_PREFIX, cursors_tag]).next().unwrap().unwrap();
+        tree.insert(key, &[1u8][..]).unwrap();
+        db.flush().unwrap();
+    }
+    let source = DirectSource::open_data_dir(dir.path()).unwrap();
+    let report = source.verify(ReplayConfig::default()).await.unwrap();
+    assert!(!report.passed());
+    let difference = report.first_difference.unwrap();
+    assert_eq!((difference.table.as_str(), difference.note.as_str()), ("cursors", "values differ"));
+    assert!(difference.key.contains("ada"), "{}", difference.key);
+}
+
+#[tokio::test]
+async fn a_directory_without_data_is_refused_not_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = DirectSource::open_data_dir(dir.path().join("nothing")).unwrap_err();
+    assert!(matches!(missing, ReplayError::Source(_)), "{missing}");
+    assert!(!dir.path().join("nothing").exists());
+}
+
+/// Rebuild speed next to a raw read of the same log (run with
+/// `cargo test --release -p anima-engine --test it replay::rebuild_speed -- --ignored --nocapture`).
+#[tokio::test]
+#[ignore]
+async fn rebuild_speed() {
+    let events: u64 = std::env::var("REPLAY_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    let db = sled::Config::new().temporary(true).open().unwrap();
+    let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).unwrap());
+    incident(log.as_ref()).await;
+    let mut batch = Vec::new();
+    for n in 0..events {
+        batch.push(if n % 4 == 3 { send(1_000 + n) } else { dm_from_human(1_000 + n, "a message of some length") });
+        if batch.len() == 4_096 {
+            log.append_batch(std::mem::take(&mut batch)).await.unwrap();
+        }
+    }
+    log.append_batch(batch).await.unwrap();
+    let last = log.last_seq().await.unwrap();
+
+    let started = Instant::now();
+    let read = log.read(1, last, None).await.unwrap().try_fold(0u64, |n, _| async move { Ok(n + 1) }).await.unwrap();
+    let raw = started.elapsed();
+    let started = Instant::now();
+    let rebuilt = Replayer::new(log.clone(), ReplayConfig::default()).rebuild(None).await.unwrap();
+    let fold = started.elapsed();
+    assert_eq!((read, rebuilt.seq), (last, last));
+    let rate = |d: Duration| last as f64 / d.as_secs_f64();
+    println!(
+        "{last} events: raw read {:.0} events/s ({raw:?}), rebuild {:.0} events/s ({fold:?}), ratio {:.2}",
+        rate(raw),
+        rate(fold),
+        rate(fold) / rate(raw)
+    );
+}

@@ -1,0 +1,289 @@
+//! Linear agent sessions (DESIGN §4.1, §4.5, §4.8): session events become wakes whose reply target
+//! is the session, and answers follow the response protocol.
+//!
+//! * `created` and `prompted` receipts queue a wake (reason `linear`, item id = receipt id) in the
+//!   receiving agent's queue. The first receipt wins: receipts are remembered (bounded) and a
+//!   redelivery is recorded without a wake.
+//! * `stop` removes that session's queued items of the agent — not a running one — and leaves
+//!   other sessions alone; its verdict names what it removed.
+//! * A response request is keyed by hash(kind, body) and its sorted input ids. Its activity id is
+//!   generated once, from the request's event id; a repeat with the same key gets the same
+//!   activity id and state. While a response to some inputs has an unknown outcome, a different
+//!   response to the same inputs is refused: it is never blindly re-sent.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::fold::{log_seconds, refused, row_meta};
+use crate::journal::RowBody;
+use crate::proto;
+use crate::state::{LogPosition, State};
+use crate::surface::{linear_receipt_identity, LinearReceiptKind, SurfaceId};
+use crate::verdict::{LinearResponseVerdict, LinearSessionVerdict, RefusalKind, Verdict};
+use crate::wake::{LinearWake, WakeItem, WakeReason};
+
+/// Linear receipts remembered for the first-receipt-wins check, on top of the log's own window.
+pub const LINEAR_RECEIPTS_MAX: usize = 65_536;
+/// Linear responses remembered, oldest forgotten first. A forgotten response's key can be used
+/// again; a forgotten unknown one no longer blocks (it is then weeks old at the rates expected).
+pub const LINEAR_RESPONSES_MAX: usize = 65_536;
+/// Input ids one response may answer.
+pub const LINEAR_RESPONSE_INPUTS_MAX: usize = 64;
+
+/// What is known of a response's delivery to Linear.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LinearResponseState {
+    /// The activity id was handed out; no outcome reported yet.
+    Requested,
+    /// Linear accepted the activity.
+    Accepted,
+    /// The runtime could not tell whether Linear got it.
+    Unknown,
+}
+
+impl LinearResponseState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LinearResponseState::Requested => "requested",
+            LinearResponseState::Accepted => "accepted",
+            LinearResponseState::Unknown => "unknown",
+        }
+    }
+}
+
+/// A response the fold handed an activity id to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearResponse {
+    pub session_id: String,
+    pub activity_id: String,
+    pub state: LinearResponseState,
+    pub requested_seq: u64,
+}
+
+/// Key of a response: (agent, sorted input ids joined by `\n`, hex sha-256 of kind and body).
+pub type LinearResponseKey = (String, String, String);
+
+impl State {
+    /// A Linear session event as the receiving agent's app got it.
+    pub(crate) fn observe_linear_session(&mut self, at: LogPosition, event: &proto::LinearSessionEvent) -> Verdict {
+        let agent = event.receiving_agent_id.clone();
+        if !self.agents.contains_key(&agent) {
+            return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        }
+        if event.session_id.is_empty() || event.installation_id.is_empty() {
+            return refused(RefusalKind::InvalidArgument, "session_id and installation_id must be set");
+        }
+        let session = SurfaceId::Linear { session: event.session_id.clone() };
+        let kind =
+            proto::LinearSessionEventKind::try_from(event.kind).unwrap_or(proto::LinearSessionEventKind::Unspecified);
+        let (receipt_kind, receipt_source) = match kind {
+            proto::LinearSessionEventKind::Created => (LinearReceiptKind::Created, &event.session_id),
+            proto::LinearSessionEventKind::Prompted if !event.agent_activity_id.is_empty() => {
+                (LinearReceiptKind::Prompted, &event.agent_activity_id)
+            }
+            proto::LinearSessionEventKind::Prompted => {
+                return refused(RefusalKind::InvalidArgument, "a prompted event needs its agent_activity_id")
+            }
+            proto::LinearSessionEventKind::Stop => return self.stop_linear_session(&agent, &event.session_id),
+            proto::LinearSessionEventKind::Unspecified => {
+                return refused(RefusalKind::InvalidArgument, "kind is unspecified")
+            }
+        };
+        let receipt = linear_receipt_identity(&event.installation_id, receipt_kind, receipt_source);
+        if self.linear_receipts.contains_key(&receipt) {
+            return Verdict::LinearSession(LinearSessionVerdict {
+                agent,
+                session: event.session_id.clone(),
+                receipt: Some(receipt),
+                duplicate_receipt: true,
+                wake: None,
+                removed: Vec::new(),
+            });
+        }
+        self.linear_receipts.insert(receipt.clone(), at.seq);
+        self.linear_receipt_order.insert(at.seq, receipt.clone());
+        while self.linear_receipt_order.len() > LINEAR_RECEIPTS_MAX {
+            if let Some((_, oldest)) = self.linear_receipt_order.pop_first() {
+                self.linear_receipts.remove(&oldest);
+            }
+        }
+        let body = RowBody { text: event.prompt_text.clone(), user_name: event.issue_title.clone(), files: Vec::new() };
+        let item = WakeItem {
+            id: receipt.clone(),
+            reason: WakeReason::Linear,
+            trigger_surface: session.clone(),
+            trigger: row_meta(at, 0, &receipt, log_seconds(at), "", "", None, &body),
+            reply_to: session,
+            queued_seq: at.seq,
+            queued_at_ns: at.at_ns,
+            resume_after_restart: false,
+            note: None,
+            linear: Some(LinearWake {
+                kind: receipt_kind,
+                session_id: event.session_id.clone(),
+                agent_activity_id: event.agent_activity_id.clone(),
+                issue_identifier: event.issue_identifier.clone(),
+                issue_url: event.issue_url.clone(),
+            }),
+        };
+        let wake = self.queue_wake(at, &agent, item);
+        Verdict::LinearSession(LinearSessionVerdict {
+            agent,
+            session: event.session_id.clone(),
+            receipt: Some(receipt),
+            duplicate_receipt: false,
+            wake,
+            removed: Vec::new(),
+        })
+    }
+
+    /// Removes the session's queued items of the agent; a running (or claimed) one stays.
+    fn stop_linear_session(&mut self, agent: &str, session_id: &str) -> Verdict {
+        let of_session = |item: &WakeItem| item.linear.as_ref().is_some_and(|l| l.session_id == session_id);
+        let mut removed = Vec::new();
+        if let Some(queue) = self.queues.get(&agent.to_owned()) {
+            removed = queue.queued.iter().filter(|i| of_session(i)).map(|i| i.id.clone()).collect();
+        }
+        if !removed.is_empty() {
+            if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
+                queue.queued.retain(|i| !of_session(i));
+            }
+        }
+        Verdict::LinearSession(LinearSessionVerdict {
+            agent: agent.to_owned(),
+            session: session_id.to_owned(),
+            receipt: None,
+            duplicate_receipt: false,
+            wake: None,
+            removed,
+        })
+    }
+
+    /// Decides a response request (DESIGN §4.8).
+    pub(crate) fn request_linear_response(
+        &mut self,
+        at: LogPosition,
+        event_id: &str,
+        request: &proto::LinearResponseRequested,
+    ) -> Verdict {
+        if !self.agents.contains_key(&request.agent_id) {
+            return refused(RefusalKind::InvalidArgument, format!("agent {:?} is not registered", request.agent_id));
+        }
+        if request.session_id.is_empty() {
+            return refused(RefusalKind::InvalidArgument, "session_id is empty");
+        }
+        let kind = proto::LinearResponseKind::try_from(request.kind).unwrap_or(proto::LinearResponseKind::Unspecified);
+        if kind == proto::LinearResponseKind::Unspecified {
+            return refused(RefusalKind::InvalidArgument, "kind is unspecified");
+        }
+        let mut inputs = request.input_ids.clone();
+        inputs.sort();
+        inputs.dedup();
+        let inputs_key = inputs.join("\n");
+        let key: LinearResponseKey = (request.agent_id.clone(), inputs_key.clone(), content_hash(kind, &request.body));
+        if let Some(existing) = self.linear_responses.get(&key) {
+            return Verdict::LinearResponse(LinearResponseVerdict {
+                activity_id: existing.activity_id.clone(),
+                state: existing.state,
+                repeated: true,
+            });
+        }
+        let same_inputs = (request.agent_id.clone(), inputs_key.clone(), String::new())
+            ..(request.agent_id.clone(), format!("{inputs_key}\u{0}"), String::new());
+        let unknown = self
+            .linear_responses
+            .range(same_inputs)
+            .find(|((_, inputs, _), r)| *inputs == inputs_key && r.state == LinearResponseState::Unknown)
+            .map(|(_, r)| r.activity_id.clone());
+        if let Some(activity) = unknown {
+            return refused(
+                RefusalKind::FailedPrecondition,
+                format!(
+                    "an earlier response to these inputs (activity {activity}) has an unknown outcome; repeat that exact response, or check Linear and confirm its outcome first"
+                ),
+            );
+        }
+        let activity_id = activity_id_for(event_id);
+        self.linear_responses.insert(
+            key.clone(),
+            LinearResponse {
+                session_id: request.session_id.clone(),
+                activity_id: activity_id.clone(),
+                state: LinearResponseState::Requested,
+                requested_seq: at.seq,
+            },
+        );
+        self.linear_activities.insert(activity_id.clone(), key.clone());
+        self.linear_response_order.insert(at.seq, key);
+        while self.linear_response_order.len() > LINEAR_RESPONSES_MAX {
+            if let Some((_, oldest)) = self.linear_response_order.pop_first() {
+                if let Some(forgotten) = self.linear_responses.remove(&oldest) {
+                    self.linear_activities.remove(&forgotten.activity_id);
+                }
+            }
+        }
+        Verdict::LinearResponse(LinearResponseVerdict {
+            activity_id,
+            state: LinearResponseState::Requested,
+            repeated: false,
+        })
+    }
+
+    /// Records what the runtime learned of a response. Accepted is final.
+    pub(crate) fn record_linear_response_outcome(&mut self, request: &proto::LinearResponseOutcome) -> Verdict {
+        let result =
+            proto::LinearResponseResult::try_from(request.result).unwrap_or(proto::LinearResponseResult::Unspecified);
+        let reported = match result {
+            proto::LinearResponseResult::Accepted => LinearResponseState::Accepted,
+            proto::LinearResponseResult::Unknown => LinearResponseState::Unknown,
+            proto::LinearResponseResult::Unspecified => {
+                return refused(RefusalKind::InvalidArgument, "result is unspecified")
+            }
+        };
+        let Some(key) = self.linear_activities.get(&request.activity_id).cloned() else {
+            return refused(RefusalKind::InvalidArgument, "no response with that activity id is known");
+        };
+        if key.0 != request.agent_id {
+            return refused(RefusalKind::InvalidArgument, "that activity belongs to another agent");
+        }
+        let Some(response) = self.linear_responses.get_mut(&key) else {
+            return refused(RefusalKind::FailedPrecondition, "the response of that activity is gone");
+        };
+        if response.state != LinearResponseState::Accepted {
+            response.state = reported;
+        }
+        Verdict::LinearResponse(LinearResponseVerdict {
+            activity_id: request.activity_id.clone(),
+            state: response.state,
+            repeated: false,
+        })
+    }
+}
+
+/// Hex sha-256 of a response's kind and body.
+fn content_hash(kind: proto::LinearResponseKind, body: &str) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(kind.as_str_name().as_bytes());
+    hasher.update([0]);
+    hasher.update(body.as_bytes());
+    hex(&hasher.finalize())
+}
+
+/// A UUID-shaped activity id derived from the request's event id (version 8, RFC 9562 variant):
+/// every instance folding the log generates the same one, once.
+fn activity_id_for(event_id: &str) -> String {
+    let mut hasher = Sha256::new();
+    hasher.update(b"linear-activity\0");
+    hasher.update(event_id.as_bytes());
+    let digest = hasher.finalize();
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    bytes[6] = (bytes[6] & 0x0f) | 0x80;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex = hex(&bytes);
+    format!("{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
