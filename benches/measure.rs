@@ -65,7 +65,7 @@ pub struct Interleaved {
 pub fn interleave(rounds: usize, mut run: impl FnMut(Side) -> Duration) -> Interleaved {
     let mut runs = Interleaved { engine: Vec::with_capacity(rounds), raw: Vec::with_capacity(rounds) };
     for round in 0..rounds {
-        let order = if round % 2 == 0 { [Side::Engine, Side::Raw] } else { [Side::Raw, Side::Engine] };
+        let order = if round.is_multiple_of(2) { [Side::Engine, Side::Raw] } else { [Side::Raw, Side::Engine] };
         for side in order {
             let elapsed = run(side);
             match side {

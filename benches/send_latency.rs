@@ -194,7 +194,7 @@ impl SendFixture {
     /// (untimed).
     async fn timed_send(&mut self) -> (Duration, bool) {
         self.sends_made += 1;
-        let expect_held = self.sends_made % HELD_EVERY == 0;
+        let expect_held = self.sends_made.is_multiple_of(HELD_EVERY);
         if expect_held {
             self.human_message().await;
         }

@@ -180,23 +180,8 @@ impl State {
                 is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
                 text: &message.text,
             };
-            let routed = self.route(&agent, &observed);
-            route = Some(routed.route);
-            if let (Route::Wake(reason), Some(reply_to)) = (routed.route, routed.reply_to) {
-                let item = WakeItem {
-                    id: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
-                    reason,
-                    trigger_surface: surface.clone(),
-                    trigger: row,
-                    reply_to,
-                    queued_seq: at.seq,
-                    queued_at_ns: at.at_ns,
-                    resume_after_restart: false,
-                    note: None,
-                    linear: None,
-                };
-                wake = self.queue_wake(at, &agent, item);
-            }
+            let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
+            (route, wake) = self.route_and_queue(at, &agent, &observed, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -324,23 +309,8 @@ impl State {
                 is_bot: message.sender_is_bot,
                 text: &message.text,
             };
-            let routed = self.route(&agent, &observed);
-            route = Some(routed.route);
-            if let (Route::Wake(reason), Some(reply_to)) = (routed.route, routed.reply_to) {
-                let item = WakeItem {
-                    id: chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id),
-                    reason,
-                    trigger_surface: surface.clone(),
-                    trigger: row,
-                    reply_to,
-                    queued_seq: at.seq,
-                    queued_at_ns: at.at_ns,
-                    resume_after_restart: false,
-                    note: None,
-                    linear: None,
-                };
-                wake = self.queue_wake(at, &agent, item);
-            }
+            let identity = chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id);
+            (route, wake) = self.route_and_queue(at, &agent, &observed, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -350,6 +320,33 @@ impl State {
             wake,
             route,
         })
+    }
+
+    /// Routes an observed message for one agent and queues the wake it earns, if any; one path
+    /// for every platform.
+    fn route_and_queue(
+        &mut self,
+        at: LogPosition,
+        agent: &str,
+        observed: &Observed<'_>,
+        identity: String,
+    ) -> (Option<Route>, Option<crate::wake::WakeReason>) {
+        let routed = self.route(agent, observed);
+        let Route::Wake(reason) = routed.route else { return (Some(routed.route), None) };
+        let Some(reply_to) = routed.reply_to else { return (Some(routed.route), None) };
+        let item = WakeItem {
+            id: identity,
+            reason,
+            trigger_surface: observed.surface.clone(),
+            trigger: observed.row.clone(),
+            reply_to,
+            queued_seq: at.seq,
+            queued_at_ns: at.at_ns,
+            resume_after_restart: false,
+            note: None,
+            linear: None,
+        };
+        (Some(routed.route), self.queue_wake(at, agent, item))
     }
 
     fn journal_tail(&self, surface: &SurfaceId) -> u64 {
