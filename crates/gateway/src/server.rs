@@ -103,6 +103,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .build_v1()
         .context("building the reflection service")?;
     let services = Services { engine: engine.clone(), shutdown: shutdown.clone() };
+    // One replayer (and its snapshots) for both services.
+    let replay_services = ReplayServices::new(engine.clone(), shutdown.clone());
     let router = tonic::transport::Server::builder()
         .layer(AuthLayer(auth))
         .add_service(health_service)
@@ -111,9 +113,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .add_service(api::wakes_server::WakesServer::new(services.clone()))
         .add_service(api::sends_server::SendsServer::new(services.clone()))
         .add_service(api::subscriptions_server::SubscriptionsServer::new(services))
-        .add_service(api::replay_server::ReplayServer::new(ReplayServices::new(engine.clone(), shutdown.clone())))
-        .add_service(api::analytics_server::AnalyticsServer::new(ReplayServices::new(engine.clone(), shutdown.clone())));
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        .add_service(api::replay_server::ReplayServer::new(replay_services.clone()))
+        .add_service(api::analytics_server::AnalyticsServer::new(replay_services));
+    // TCP_NODELAY: without it small responses (a held notice) wait ~40 ms on Nagle's algorithm.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = shutdown.clone();
     let serve = tokio::spawn(async move {
         let graceful = router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());

@@ -364,8 +364,8 @@ impl State {
                 );
             }
         }
-        for entry in plan {
-            let key = (agent.clone(), entry.surface);
+        for entry in &plan {
+            let key = (agent.clone(), entry.surface.clone());
             let next = self.cursors.get(&key).copied().unwrap_or(0).max(entry.target);
             self.cursors.insert(key, next);
         }
@@ -373,28 +373,34 @@ impl State {
             active.started_seq = Some(at.seq);
             active.last_alive_ns = at.at_ns;
         }
-        let coalesced = self.coalesce(at, &agent);
+        let coalesced = self.coalesce(at, &agent, &plan);
         Verdict::Started { item_id: request.item_id.clone(), coalesced }
     }
 
-    /// Settles queued items whose trigger rows the agent's cursors now cover (derived settles),
-    /// except items resuming after a restart.
-    fn coalesce(&mut self, at: LogPosition, agent: &str) -> Vec<String> {
+    /// Settles queued items whose trigger rows the start's cursors now cover (derived settles),
+    /// except items resuming after a restart. Only the plan's surfaces moved, so only items on
+    /// them are looked at; items covered earlier by a send decision settle at the next claim.
+    fn coalesce(&mut self, at: LogPosition, agent: &str, plan: &[PlanEntry]) -> Vec<String> {
+        let moved: Vec<(&SurfaceId, u64)> =
+            plan.iter().filter_map(|p| self.cursor(agent, &p.surface).map(|c| (&p.surface, c))).collect();
         let Some(queue) = self.queues.get(&agent.to_owned()) else { return Vec::new() };
         let covered: Vec<String> = queue
             .queued
             .iter()
             .filter(|item| {
                 !item.resume_after_restart
-                    && self.cursor(agent, &item.trigger_surface).is_some_and(|c| c >= item.trigger.ordinal)
+                    && moved.iter().any(|(surface, cursor)| {
+                        *surface == &item.trigger_surface && *cursor >= item.trigger.ordinal
+                    })
             })
             .map(|item| item.id.clone())
             .collect();
         if covered.is_empty() {
             return covered;
         }
+        let covered_set: std::collections::BTreeSet<&str> = covered.iter().map(String::as_str).collect();
         if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-            queue.queued.retain(|item| !covered.contains(&item.id));
+            queue.queued.retain(|item| !covered_set.contains(item.id.as_str()));
         }
         for id in &covered {
             self.remember_settled(at, agent, id);
