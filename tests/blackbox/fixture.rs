@@ -195,7 +195,14 @@ pub fn bearer(token: &str) -> BearerToken {
 }
 
 /// A Slack message observation for `receivers`.
-pub fn slack_message(receivers: &[&str], channel: &str, ts: &str, thread_ts: &str, user: &str, text: &str) -> api::AppendRequest {
+pub fn slack_message(
+    receivers: &[&str],
+    channel: &str,
+    ts: &str,
+    thread_ts: &str,
+    user: &str,
+    text: &str,
+) -> api::AppendRequest {
     api::AppendRequest {
         correlation_id: ts.to_owned(),
         observation: Some(api::append_request::Observation::SlackMessage(api::SlackMessage {
@@ -224,5 +231,11 @@ pub fn slack_target(channel: &str, thread_ts: &str) -> api::ReplyTarget {
 }
 
 pub fn send_request(agent: &str, target: api::ReplyTarget) -> api::SendRequest {
-    api::SendRequest { agent_id: agent.into(), target: Some(target), kind: api::SendKind::Message as i32, draft_bytes: 42, request_id: String::new() }
+    api::SendRequest {
+        agent_id: agent.into(),
+        target: Some(target),
+        kind: api::SendKind::Message as i32,
+        draft_bytes: 42,
+        request_id: String::new(),
+    }
 }

@@ -68,11 +68,8 @@ async fn no_send_is_allowed_over_a_foreign_message_with_two_instances() {
         tasks.push(tokio::spawn(async move {
             let mut decided = Vec::new();
             for n in 0..SENDS_PER_SENDER {
-                let response = clients[(sender + n) % 2]
-                    .send(send_request("ada", dm.clone()))
-                    .await
-                    .expect("send")
-                    .into_inner();
+                let response =
+                    clients[(sender + n) % 2].send(send_request("ada", dm.clone())).await.expect("send").into_inner();
                 let allowed = matches!(response.verdict, Some(api::send_response::Verdict::Allowed(_)));
                 decided.push((response.decided_at_seq, allowed));
             }
@@ -136,7 +133,10 @@ async fn every_wake_is_started_exactly_once_with_two_instances() {
     let mut ingest = second.ingest(CONNECTOR_TOKEN).await;
     for n in 0..DMS {
         let channel = format!("D{n}");
-        ingest.append(slack_message(&["ada"], &channel, "1700000000.000001", "", "U1", "please")).await.expect("append");
+        ingest
+            .append(slack_message(&["ada"], &channel, "1700000000.000001", "", "U1", "please"))
+            .await
+            .expect("append");
     }
     let mut tasks = Vec::new();
     for (instance, server) in [&first, &second].into_iter().enumerate() {
@@ -147,7 +147,11 @@ async fn every_wake_is_started_exactly_once_with_two_instances() {
                 let mut started = Vec::new();
                 let mut idle_rounds = 0;
                 while idle_rounds < 20 {
-                    let claim = api::ClaimRequest { agent_id: "ada".into(), worker_id: worker_id.clone(), ..Default::default() };
+                    let claim = api::ClaimRequest {
+                        agent_id: "ada".into(),
+                        worker_id: worker_id.clone(),
+                        ..Default::default()
+                    };
                     let wake = match wakes.claim(claim).await {
                         Ok(response) => response.into_inner().wake,
                         Err(status) if status.code() == tonic::Code::Aborted => None,

@@ -42,7 +42,8 @@ async fn scenario(backend: Backend) {
     // Two workers claim at once: exactly one gets the wake.
     let mut wakes_a = server.wakes(ADA_RUNTIME_TOKEN).await;
     let mut wakes_b = server.wakes(ADA_RUNTIME_TOKEN).await;
-    let claim = |worker: &str| api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() };
+    let claim =
+        |worker: &str| api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() };
     let (a, b) = tokio::join!(wakes_a.claim(claim("worker-a")), wakes_b.claim(claim("worker-b")));
     let results = [a.map(|r| r.into_inner()), b.map(|r| r.into_inner())];
     let winners: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).filter_map(|r| r.wake.clone()).collect();
@@ -118,7 +119,8 @@ async fn scenario(backend: Backend) {
     // A wrong or missing token gets UNAUTHENTICATED and appends nothing.
     let before = after_own.decided_at_seq;
     let mut bad_ingest = server.ingest("not-a-configured-token").await;
-    let error = bad_ingest.append(slack_message(&["ada"], "D1", "1700000300.000100", "", "U1", "sneaky")).await.unwrap_err();
+    let error =
+        bad_ingest.append(slack_message(&["ada"], "D1", "1700000300.000100", "", "U1", "sneaky")).await.unwrap_err();
     assert_eq!(error.code(), Code::Unauthenticated);
     let mut no_token = api::sends_client::SendsClient::new(server.channel().await);
     let error = no_token.send(send_request("ada", dm.clone())).await.unwrap_err();
@@ -158,7 +160,10 @@ async fn scenario(backend: Backend) {
     assert_eq!(mention.outcomes[0].wake_reason, "");
 
     // State survives a restart: a foreign message arrives, the server restarts, the send is held.
-    ingest.append(slack_message(&["ada"], "D1", "1700000400.000100", "", "U3", "while you restart")).await.expect("append");
+    ingest
+        .append(slack_message(&["ada"], "D1", "1700000400.000100", "", "U3", "while you restart"))
+        .await
+        .expect("append");
     server.restart();
     let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
     let response = sends.send(send_request("ada", dm.clone())).await.expect("send").into_inner();

@@ -91,7 +91,8 @@ async fn scenario(backend: Backend) {
         .expect("confirm");
 
     // Heartbeats: the first is appended, the next within a minute is not.
-    let heartbeat = api::HeartbeatRequest { agent_id: "ada".into(), worker_id: "w1".into(), item_id: wake.item_id.clone() };
+    let heartbeat =
+        api::HeartbeatRequest { agent_id: "ada".into(), worker_id: "w1".into(), item_id: wake.item_id.clone() };
     assert!(wakes.heartbeat(heartbeat.clone()).await.expect("heartbeat").into_inner().appended);
     assert!(!wakes.heartbeat(heartbeat).await.expect("heartbeat").into_inner().appended);
 
@@ -138,7 +139,8 @@ async fn scenario(backend: Backend) {
         .mute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(channel.clone()), ..Default::default() })
         .await
         .expect("mute");
-    let list = subscriptions.list(api::ListSubscriptionsRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+    let list =
+        subscriptions.list(api::ListSubscriptionsRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
     let c1 = list.subscriptions.iter().find(|s| s.surface == "slack:T1:C1").expect("C1 listed");
     assert!(c1.member && c1.muted);
     assert!(list.subscriptions.iter().any(|s| s.surface == "slack:T1:C1:thread:1700000001.000100" && s.following));
@@ -148,7 +150,8 @@ async fn scenario(backend: Backend) {
         .expect("append")
         .into_inner();
     assert_eq!(muted.outcomes[0].wake_reason, "", "a muted channel does not wake");
-    let other = api::SlackTarget { team_id: "T1".into(), channel_id: "C2".into(), thread_ts: "1700000009.000100".into() };
+    let other =
+        api::SlackTarget { team_id: "T1".into(), channel_id: "C2".into(), thread_ts: "1700000009.000100".into() };
     let error = subscriptions
         .unmute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(other), ..Default::default() })
         .await

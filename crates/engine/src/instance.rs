@@ -76,7 +76,8 @@ impl Instance {
     /// Opens the data dir and the log, restores the projection and waits until it has applied
     /// everything the log held at start.
     pub async fn start(config: InstanceConfig) -> Result<Instance, InstanceError> {
-        let data_dir_error = |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
+        let data_dir_error =
+            |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
         std::fs::create_dir_all(&config.data_dir).map_err(|e| data_dir_error(e.to_string()))?;
         let db = sled::Config::new().path(&config.data_dir).open().map_err(|e| data_dir_error(e.to_string()))?;
         let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
@@ -91,16 +92,14 @@ impl Instance {
         };
         let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
-        let Runner { projection, task, .. } = Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
+        let Runner { projection, task, .. } =
+            Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
         let last = log.last_seq().await?;
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
         let engine = Engine::new(log, projection, config.engine);
-        let recovery = tokio::spawn(crate::command::run_recovery_loop(
-            engine.clone(),
-            config.recovery_interval,
-            shutdown.clone(),
-        ));
+        let recovery =
+            tokio::spawn(crate::command::run_recovery_loop(engine.clone(), config.recovery_interval, shutdown.clone()));
         Ok(Instance { engine, backend_name, shutdown, runner: task, recovery })
     }
 

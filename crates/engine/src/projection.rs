@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anima_projections::journal::RowBody;
 use anima_projections::proto;
-use anima_projections::state::{FOLD_VERSION, State};
+use anima_projections::state::{State, FOLD_VERSION};
 use anima_projections::LogPosition;
 use futures::{FutureExt, StreamExt};
 use prost::Message;
@@ -129,7 +129,8 @@ impl Projection {
         }
         let fetched = futures::future::join_all(missing.iter().map(|&seq| self.log.get(seq))).await;
         for (seq, record) in missing.into_iter().zip(fetched) {
-            let record = record?.ok_or_else(|| LogError::Store(format!("row body at seq {seq} is missing from the log")))?;
+            let record =
+                record?.ok_or_else(|| LogError::Store(format!("row body at seq {seq} is missing from the log")))?;
             let envelope = proto::Envelope::decode(record.payload.as_ref())
                 .map_err(|e| LogError::Store(format!("event at seq {seq} does not decode: {e}")))?;
             let body = RowBody::from_envelope(&envelope)
@@ -167,10 +168,7 @@ impl Runner {
         shutdown: CancellationToken,
     ) -> Result<Runner, RunnerError> {
         let stream_identity = log.identity();
-        let state = checkpoints
-            .restore(&stream_identity)
-            .await
-            .map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        let state = checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
         let (applied, _) = watch::channel(start_seq);
@@ -266,8 +264,5 @@ async fn checkpoint(
     stream_identity: &str,
 ) -> Result<(), RunnerError> {
     let changes = projection.state().drain_changes();
-    checkpoints
-        .write(stream_identity, changes)
-        .await
-        .map_err(|e| RunnerError::Checkpoint(e.to_string()))
+    checkpoints.write(stream_identity, changes).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }

@@ -194,7 +194,7 @@ impl Default for ReplayConfig {
         ReplayConfig {
             progress_every_events: 100_000,
             snapshots_kept_max: 4,
-            change_tracking_events_max: 65_536,
+            change_tracking_events_max: 1_000_000,
             progress: None,
         }
     }
@@ -325,7 +325,7 @@ impl Replayer {
 
     fn report(&self, started: Instant, events: u64, seq: u64, to_seq: u64) {
         if let Some(progress) = &self.config.progress {
-            if events % self.config.progress_every_events.max(1) == 0 {
+            if events.is_multiple_of(self.config.progress_every_events.max(1)) {
                 progress(ReplayProgress { seq, to_seq, events, elapsed: started.elapsed() });
             }
         }
@@ -427,7 +427,7 @@ impl Replayer {
             rebuilt.log_time_ns = record.timestamp_ns;
             visit(&record, &rebuilt.state);
             events += 1;
-            if !track_changes && events % self.config.change_tracking_events_max.max(1) == 0 {
+            if !track_changes && events.is_multiple_of(self.config.change_tracking_events_max.max(1)) {
                 rebuilt.state.drain_changes();
             }
             self.report(started, events, record.seq, to);
@@ -535,7 +535,7 @@ impl ReadCursor {
             };
             self.events += 1;
             if let Some(progress) = &self.progress {
-                if self.events % self.progress_every_events == 0 {
+                if self.events.is_multiple_of(self.progress_every_events) {
                     progress(ReplayProgress {
                         seq: record.seq,
                         to_seq: self.to,
@@ -547,7 +547,7 @@ impl ReadCursor {
             if let Some(fold) = &mut self.fold {
                 fold.state.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
                 fold.seq = record.seq;
-                if self.events % self.change_tracking_events_max == 0 {
+                if self.events.is_multiple_of(self.change_tracking_events_max) {
                     fold.state.drain_changes();
                 }
             }
@@ -714,6 +714,16 @@ fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut 
         Some(Payload::SlackMessage(message)) => {
             let surface =
                 SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
+            let tail = state.journal(&surface).map_or(0, |j| j.tail);
+            facts.push(format!(
+                "delivered to {} on {surface} (tail {tail}); the agent's cursor there is {}",
+                message.receiving_agent_id,
+                describe(state.cursor(&message.receiving_agent_id, &surface))
+            ));
+        }
+        Some(Payload::ChatMessage(message)) => {
+            let surface =
+                SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
             let tail = state.journal(&surface).map_or(0, |j| j.tail);
             facts.push(format!(
                 "delivered to {} on {surface} (tail {tail}); the agent's cursor there is {}",

@@ -531,6 +531,9 @@ pub fn describe_outcome(outcome: &api::AnalyticsOutcome) -> String {
     if outcome.duplicate_message {
         details.push("duplicate message".to_owned());
     }
+    if outcome.note_shown {
+        details.push("with a mute suggestion".to_owned());
+    }
     if outcome.settled_without_turn > 0 {
         details.push(format!("{} settled without a turn", outcome.settled_without_turn));
     }

@@ -109,6 +109,7 @@ pub fn outcome(outcome: &RedactedOutcome) -> api::AnalyticsOutcome {
         omitted: outcome.omitted,
         duplicate_message: outcome.duplicate_message,
         ordinal: outcome.ordinal,
+        note_shown: outcome.note_shown,
     }
 }
 
@@ -181,6 +182,7 @@ fn figures(figures: &Figures) -> api::AnalyticsFigures {
         refusals_by_kind: reason_counts(&figures.refusals_by_kind),
         dm_replies_threaded: figures.dm_replies_threaded,
         dm_replies_top_level: figures.dm_replies_top_level,
+        notes_shown: figures.notes_shown,
     }
 }
 

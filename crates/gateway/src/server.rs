@@ -84,14 +84,14 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
             chat_user_id: a.chat_user_id.clone(),
         })
         .collect();
-    let appended = engine.sync_agents(&configured).await.map_err(|e| anyhow::anyhow!("registering configured agents: {e}"))?;
+    let appended =
+        engine.sync_agents(&configured).await.map_err(|e| anyhow::anyhow!("registering configured agents: {e}"))?;
     if appended > 0 {
         tracing::info!(appended, "configured agents appended to the log");
     }
 
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("binding {}", config.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let local_addr = listener.local_addr()?;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<api::ingest_server::IngestServer<Services>>().await;

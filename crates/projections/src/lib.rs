@@ -28,8 +28,7 @@ pub mod proto {
 
     /// The encoded `FileDescriptorSet` of `events.proto` and its imports, for tests and tools
     /// that inspect the schema (the content marking of string fields).
-    pub const EVENTS_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/events_descriptor.bin"));
+    pub const EVENTS_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/events_descriptor.bin"));
 }
 
 pub use state::{LogPosition, State};

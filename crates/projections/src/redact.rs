@@ -378,6 +378,8 @@ pub struct RedactedOutcome {
     pub duplicate_message: bool,
     /// Journaled: the row's ordinal (0: not journaled).
     pub ordinal: u64,
+    /// Claimed: the wake carries a mute suggestion (an attention note).
+    pub note_shown: bool,
 }
 
 impl RedactedOutcome {
@@ -410,6 +412,7 @@ impl RedactedOutcome {
             Verdict::Claim(ClaimVerdict::Claimed(claimed)) => RedactedOutcome {
                 wake_reason: Some(claimed.item.reason.as_str().to_owned()),
                 settled_without_turn: claimed.settled_without_turn.len() as u64,
+                note_shown: claimed.item.note.is_some(),
                 ..RedactedOutcome::kind("claimed")
             },
             Verdict::Started { coalesced, .. } => {
@@ -492,6 +495,8 @@ pub struct Figures {
     pub wakes_by_reason: BTreeMap<String, u64>,
     pub settled_without_turn: u64,
     pub claims: u64,
+    /// Claimed wakes that carried a mute suggestion (the renderer may still drop it for budget).
+    pub notes_shown: u64,
     pub starts: u64,
     /// Accepted finishes by the outcome the runtime reported; restart drains as "requeued".
     pub finishes_by_outcome: BTreeMap<String, u64>,
@@ -520,7 +525,10 @@ impl Figures {
         match kind {
             "send_allowed" => self.sends_allowed += 1,
             "send_held" => self.sends_held += 1,
-            "claimed" => self.claims += 1,
+            "claimed" => {
+                self.claims += 1;
+                self.notes_shown += u64::from(outcome.is_some_and(|o| o.note_shown));
+            }
             "started" => self.starts += 1,
             "requeued" => *self.finishes_by_outcome.entry("requeued".to_owned()).or_default() += 1,
             "finished" => {

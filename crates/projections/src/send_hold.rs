@@ -40,7 +40,11 @@ impl State {
         }
         if last_foreign <= cursor {
             self.cursors.insert(cursor_key, tail);
-            return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: Some(cursor), cursor_after: Some(tail) });
+            return Verdict::Send(SendVerdict::Allowed {
+                surface,
+                cursor_before: Some(cursor),
+                cursor_after: Some(tail),
+            });
         }
         let journal = self.journals.get(&surface).expect("tail > 0 implies a journal");
         let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());

@@ -17,11 +17,21 @@ use crate::proto;
 /// variants go last.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum SurfaceId {
-    Slack { team: String, channel: String, thread_ts: Option<String> },
-    Chat { tenant: String, chat: String, thread: Option<String> },
+    Slack {
+        team: String,
+        channel: String,
+        thread_ts: Option<String>,
+    },
+    Chat {
+        tenant: String,
+        chat: String,
+        thread: Option<String>,
+    },
     /// A Linear agent session (a UUID, validated at ingest): the surface and the reply target of
     /// Linear wakes. It has no journal and no cursors; answers go through the response protocol.
-    Linear { session: String },
+    Linear {
+        session: String,
+    },
 }
 
 /// Whether a chat is one-to-one (behaves like a DM) or a group.

@@ -88,7 +88,13 @@ impl<K: Ord + Clone, V> Table<K, V> {
     /// The keys changed since the last call, with their current value (`None`: removed).
     pub fn drain_changes(&mut self) -> Vec<(K, Option<&V>)> {
         let dirty = std::mem::take(&mut self.dirty);
-        dirty.into_iter().map(|k| { let v = self.map.get(&k); (k, v) }).collect()
+        dirty
+            .into_iter()
+            .map(|k| {
+                let v = self.map.get(&k);
+                (k, v)
+            })
+            .collect()
     }
 
     /// Loads an entry from a checkpoint; not marked changed.

@@ -19,12 +19,23 @@ pub enum Verdict {
     Claim(ClaimVerdict),
     /// The start was accepted; `coalesced` are other queued items its cursors now cover, settled
     /// without a turn.
-    Started { item_id: String, coalesced: Vec<String> },
+    Started {
+        item_id: String,
+        coalesced: Vec<String>,
+    },
     HeartbeatRecorded,
     /// A silent running wake was re-queued to resume.
-    Recovered { item_id: String },
-    SubscriptionChanged { surface: SurfaceId, muted: bool },
-    Finished { item_id: String, requeued: bool },
+    Recovered {
+        item_id: String,
+    },
+    SubscriptionChanged {
+        surface: SurfaceId,
+        muted: bool,
+    },
+    Finished {
+        item_id: String,
+        requeued: bool,
+    },
     /// A Linear session event was folded for its receiving agent.
     LinearSession(LinearSessionVerdict),
     /// A Linear response request or outcome was decided: the response's activity id and state.
@@ -75,7 +86,9 @@ pub struct HeldSend {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClaimVerdict {
     /// Nothing claimable. Items found already delivered were settled on the way.
-    Nothing { settled_without_turn: Vec<String> },
+    Nothing {
+        settled_without_turn: Vec<String>,
+    },
     Claimed(Box<ClaimedWake>),
 }
 

@@ -389,9 +389,9 @@ impl State {
             .iter()
             .filter(|item| {
                 !item.resume_after_restart
-                    && moved.iter().any(|(surface, cursor)| {
-                        *surface == &item.trigger_surface && *cursor >= item.trigger.ordinal
-                    })
+                    && moved
+                        .iter()
+                        .any(|(surface, cursor)| *surface == &item.trigger_surface && *cursor >= item.trigger.ordinal)
             })
             .map(|item| item.id.clone())
             .collect();

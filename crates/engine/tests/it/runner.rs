@@ -19,7 +19,13 @@ use tokio_util::sync::CancellationToken;
 const WAIT: Duration = Duration::from_secs(20);
 
 fn envelope(id: String, payload: Payload) -> proto::Envelope {
-    proto::Envelope { event_id: id, occurred_at_ms: 0, min_reader_version: 1, source: "test".into(), payload: Some(payload) }
+    proto::Envelope {
+        event_id: id,
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".into(),
+        payload: Some(payload),
+    }
 }
 
 /// A registration and `messages` DMs from a person, half of them with a send request after.
@@ -74,7 +80,11 @@ fn events(messages: usize, id_prefix: &str) -> Vec<AppendRecord> {
 }
 
 fn config() -> RunnerConfig {
-    RunnerConfig { checkpoint_every_events: 100, checkpoint_interval: Duration::from_millis(50), ..RunnerConfig::default() }
+    RunnerConfig {
+        checkpoint_every_events: 100,
+        checkpoint_interval: Duration::from_millis(50),
+        ..RunnerConfig::default()
+    }
 }
 
 async fn run_to_end(log: Arc<dyn EventLog>, checkpoints: CheckpointStore) -> (Vec<u8>, u64) {

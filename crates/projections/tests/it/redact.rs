@@ -80,10 +80,11 @@ fn every_event_kind() -> Vec<(String, Vec<u8>, Vec<String>)> {
     let descriptor = envelope_descriptor();
     let mut out = Vec::new();
     for field in descriptor.fields() {
-        if !field.containing_oneof().is_some_and(|o| o.name() == PAYLOAD_ONEOF) {
+        let in_payload = field.containing_oneof().is_some_and(|o| o.name() == PAYLOAD_ONEOF);
+        let Kind::Message(payload_type) = field.kind() else { continue };
+        if !in_payload {
             continue;
         }
-        let Kind::Message(payload_type) = field.kind() else { continue };
         let mut markers = Vec::new();
         let mut envelope = DynamicMessage::new(descriptor.clone());
         fill(&mut envelope, &mut markers, 0);
@@ -208,7 +209,7 @@ fn ids_are_kept_and_content_becomes_sizes() {
               files[0].name = ContentBytes(9)
               files[0].size_bytes = Uint(300)
               user_name = ContentBytes(5)
-              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1 }
+              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1, note_shown: false }
         "#]],
     );
 }
@@ -224,7 +225,7 @@ fn a_send_request_is_redacted_with_its_target_ids() {
               target.slack.channel_id = Id("D1")
               kind = Enum("SEND_KIND_MESSAGE")
               draft_bytes = Uint(5)
-              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0 }
+              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0, note_shown: false }
         "#]],
     );
 }
@@ -292,7 +293,7 @@ fn counts_by_type_and_bucket_with_the_derived_figures() {
     }
     let total = &counts.total;
     out.push_str(&format!(
-        "sends {} allowed, {} held, hold rate {:.2}\nwakes {:?}\nsettled without a turn {}\nclaims {}, starts {}\n\
+        "sends {} allowed, {} held, hold rate {:.2}\nwakes {:?}\nsettled without a turn {}\nclaims {}, starts {}, notes shown {}\n\
          finishes {:?}\nrefusals {:?}\ndm replies: {} threaded, {} top level\n",
         total.sends_allowed,
         total.sends_held,
@@ -301,6 +302,7 @@ fn counts_by_type_and_bucket_with_the_derived_figures() {
         total.settled_without_turn,
         total.claims,
         total.starts,
+        total.notes_shown,
         total.finishes_by_outcome,
         total.refusals_by_kind,
         total.dm_replies_threaded,
@@ -327,9 +329,10 @@ fn counts_by_type_and_bucket_with_the_derived_figures() {
         sends 1 allowed, 1 held, hold rate 0.50
         wakes {"dm": 2}
         settled without a turn 1
-        claims 1, starts 1
+        claims 1, starts 1, notes shown 0
         finishes {"completed": 1}
         refusals {}
         dm replies: 1 threaded, 1 top level
-    "#]].assert_eq(&out);
+    "#]]
+    .assert_eq(&out);
 }

@@ -108,80 +108,112 @@ fn a_channel_top_level_post_wakes_channel_follow_and_answers_in_its_thread() {
 
 #[test]
 fn a_bots_top_level_post_is_ignored_but_journaled() {
-    check(&[ada()], message("ada", "C1", &ts(1)).by_bot("B9", "Deploy bot").text("deployed"), expect![[r#"
+    check(
+        &[ada()],
+        message("ada", "C1", &ts(1)).by_bot("B9", "Deploy bot").text("deployed"),
+        expect![[r#"
         #1 ignored not_addressed
         slack:T1:C1: member true following false muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_thread_reply_without_a_follow_is_not_addressed() {
-    check(&[ada(), channel_post(&ts(1), "root")], thread_reply(&ts(1), &ts(2), "reply"), expect![[r#"
+    check(
+        &[ada(), channel_post(&ts(1), "root")],
+        thread_reply(&ts(1), &ts(2), "reply"),
+        expect![[r#"
         #1 ignored not_addressed
         newest queued: channel_follow reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 1
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_mention_wakes_and_follows_the_thread_so_replies_wake_too() {
     let mention = channel_post(&ts(1), "hey <@U0ADA> can you look?");
-    check(&[ada(), mention], thread_reply(&ts(1), &ts(2), "details here"), expect![[r#"
+    check(
+        &[ada(), mention],
+        thread_reply(&ts(1), &ts(2), "details here"),
+        expect![[r#"
         #1 wake thread_follow, queued
         newest queued: thread_follow reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
         slack:T1:C1:thread:1700000060.000100: member false following true muted false wakes_since_post 1
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_mention_inside_code_is_not_a_mention() {
-    check(&[ada()], thread_reply(&ts(1), &ts(2), "see `<@U0ADA>` and ```\n<@U0ADA>\n```"), expect![[r#"
+    check(
+        &[ada()],
+        thread_reply(&ts(1), &ts(2), "see `<@U0ADA>` and ```\n<@U0ADA>\n```"),
+        expect![[r#"
         #1 ignored not_addressed
         slack:T1:C1: member true following false muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn app_mention_delivery_is_a_mention() {
-    check(&[ada()], thread_reply(&ts(1), &ts(2), "please check").app_mention(), expect![[r#"
+    check(
+        &[ada()],
+        thread_reply(&ts(1), &ts(2), "please check").app_mention(),
+        expect![[r#"
         #1 wake mention, queued
         newest queued: mention reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
         slack:T1:C1:thread:1700000060.000100: member false following true muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_mention_in_a_muted_thread_wakes_and_unmutes_the_thread() {
     let given = [ada(), channel_post(&ts(1), "hi <@U0ADA>"), mute(Some(&ts(1)), true)];
-    check(&given, thread_reply(&ts(1), &ts(3), "<@U0ADA> again"), expect![[r#"
+    check(
+        &given,
+        thread_reply(&ts(1), &ts(3), "<@U0ADA> again"),
+        expect![[r#"
         #1 wake mention, queued
         newest queued: mention reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
         slack:T1:C1:thread:1700000060.000100: member false following true muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_mention_in_a_muted_channel_wakes_but_the_channel_stays_muted() {
     let given = [ada(), channel_post(&ts(1), "hello"), mute(None, true)];
-    check(&given, channel_post(&ts(2), "<@U0ADA> urgent"), expect![[r#"
+    check(
+        &given,
+        channel_post(&ts(2), "<@U0ADA> urgent"),
+        expect![[r#"
         #2 wake mention, queued
         newest queued: mention reply_to slack:T1:C1:thread:1700000120.000100
         slack:T1:C1: member true following false muted true wakes_since_post 1
         slack:T1:C1:thread:1700000120.000100: member false following true muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
 fn a_muted_channel_ignores_top_level_posts() {
     let given = [ada(), channel_post(&ts(1), "hello"), mute(None, true)];
-    check(&given, channel_post(&ts(2), "more chatter"), expect![[r#"
+    check(
+        &given,
+        channel_post(&ts(2), "more chatter"),
+        expect![[r#"
         #2 ignored muted
         newest queued: channel_follow reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted true wakes_since_post 1
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
@@ -192,12 +224,16 @@ fn bots_do_not_create_a_follow_but_their_replies_in_followed_threads_wake() {
     if let Some(Payload::SlackMessage(m)) = bot_reply.payload.as_mut() {
         m.bot_id = "B9".into();
     }
-    check(&given, bot_reply, expect![[r#"
+    check(
+        &given,
+        bot_reply,
+        expect![[r#"
         #1 wake thread_follow, queued
         newest queued: thread_follow reply_to slack:T1:C1:thread:1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
         slack:T1:C1:thread:1700000060.000100: member false following true muted false wakes_since_post 1
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
@@ -206,12 +242,16 @@ fn the_sixth_channel_follow_wake_within_an_hour_carries_the_mute_note() {
     for n in 1..=5 {
         given.push(at_minutes(channel_post(&ts(n), &format!("chatter {n}")), n));
     }
-    check(&given, at_minutes(channel_post(&ts(6), "chatter 6"), 6), expect![[r#"
+    check(
+        &given,
+        at_minutes(channel_post(&ts(6), "chatter 6"), 6),
+        expect![[r#"
         #6 wake channel_follow, queued
         newest queued: channel_follow reply_to slack:T1:C1:thread:1700000360.000100
         [anima] this channel woke you 6 times within the last hour and you have not posted there. If it does not need you, mute it: anima subscription mute --channel C1
         slack:T1:C1: member true following false muted false wakes_since_post 6
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
@@ -221,12 +261,16 @@ fn after_the_agent_posts_the_next_wake_has_no_note() {
         given.push(at_minutes(channel_post(&ts(n), &format!("chatter {n}")), n));
     }
     given.push(at_minutes(confirmed("ada", "C1", &ts(7), "on it"), 7));
-    check(&given, at_minutes(channel_post(&ts(8), "chatter 8"), 8), expect![[r#"
+    check(
+        &given,
+        at_minutes(channel_post(&ts(8), "chatter 8"), 8),
+        expect![[r#"
         #8 wake channel_follow, queued
         newest queued: channel_follow reply_to slack:T1:C1:thread:1700000480.000100
         slack:T1:C1: member true following false muted false wakes_since_post 1
         slack:T1:C1:thread:1700000420.000100: member false following true muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
@@ -236,13 +280,17 @@ fn twelve_thread_wakes_over_three_days_carry_the_chronic_note_once() {
     for n in 0..11u64 {
         given.push(at_minutes(thread_reply(&ts(1), &ts(10 + n), &format!("update {n}")), 60 + n * 420));
     }
-    check(&given, at_minutes(thread_reply(&ts(1), &ts(30), "update 11"), 60 + 11 * 420), expect![[r#"
+    check(
+        &given,
+        at_minutes(thread_reply(&ts(1), &ts(30), "update 11"), 60 + 11 * 420),
+        expect![[r#"
         #12 wake thread_follow, queued
         newest queued: thread_follow reply_to slack:T1:C1:thread:1700000060.000100
         [anima] this thread woke you 12 times over three days or more since you last posted there. If it does not need you, mute it: anima subscription mute --channel C1 --thread-ts 1700000060.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
         slack:T1:C1:thread:1700000060.000100: member false following true muted false wakes_since_post 12
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]
@@ -251,7 +299,10 @@ fn dms_and_mentions_never_count_toward_notes() {
     for n in 1..=7 {
         given.push(at_minutes(channel_post(&ts(n), &format!("<@U0ADA> ping {n}")), n));
     }
-    check(&given, at_minutes(channel_post(&ts(8), "<@U0ADA> ping 8"), 8), expect![[r#"
+    check(
+        &given,
+        at_minutes(channel_post(&ts(8), "<@U0ADA> ping 8"), 8),
+        expect![[r#"
         #8 wake mention, queued
         newest queued: mention reply_to slack:T1:C1:thread:1700000480.000100
         slack:T1:C1: member true following false muted false wakes_since_post 0
@@ -263,7 +314,8 @@ fn dms_and_mentions_never_count_toward_notes() {
         slack:T1:C1:thread:1700000360.000100: member false following true muted false wakes_since_post 0
         slack:T1:C1:thread:1700000420.000100: member false following true muted false wakes_since_post 0
         slack:T1:C1:thread:1700000480.000100: member false following true muted false wakes_since_post 0
-    "#]]);
+    "#]],
+    );
 }
 
 #[test]

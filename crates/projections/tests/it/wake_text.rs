@@ -37,7 +37,16 @@ fn claimed_text(given: &[Envelope]) -> (ClaimedWake, String) {
 /// Every line is an engine line (known headers and fields) or fenced content.
 fn assert_envelope_intact(text: &str) {
     let engine_prefixes = [
-        "=== ", "[anima] ", "[#", "reason: ", "channel: ", "thread_ts: ", "message_ts: ", "time: ", "user: ", "reply_to: ",
+        "=== ",
+        "[anima] ",
+        "[#",
+        "reason: ",
+        "channel: ",
+        "thread_ts: ",
+        "message_ts: ",
+        "time: ",
+        "user: ",
+        "reply_to: ",
         "(nothing else is new)",
     ];
     let mut latest_wake_blocks = 0;
