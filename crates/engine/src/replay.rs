@@ -184,7 +184,9 @@ pub struct ReplayConfig {
     /// Rebuilt states kept to start later rebuilds from (each is a full copy of the state).
     pub snapshots_kept_max: usize,
     /// Forget the fold's change tracking every this many events: it exists for checkpoints, and
-    /// unbounded it would grow with every key a long rebuild touched.
+    /// unbounded it would grow with every key a long rebuild touched. Forgetting costs an
+    /// encoding of every changed entry (`State::drain_changes`), about as long as folding a
+    /// fifth of the events since the last time, so it is rare.
     pub change_tracking_events_max: u64,
     pub progress: Option<ProgressFn>,
 }
@@ -342,7 +344,7 @@ impl Replayer {
         }
         // With verdicts, start from the best snapshot before the range and fold every subject.
         let (fold, read_from, subject) = if query.with_verdicts {
-            let start = self.rebuild_to(from - 1, false).await?;
+            let start = self.rebuild_owned(from - 1).await?;
             let next = start.seq + 1;
             (Some(start), next, None)
         } else {
@@ -371,31 +373,30 @@ impl Replayer {
     }
 
     /// The state as of `at` (the newest event at or before it; `None`: the newest event).
-    pub async fn rebuild(&self, at: Option<LogPoint>) -> Result<Rebuilt, ReplayError> {
+    /// Shared with the snapshot cache: clone it to change it.
+    pub async fn rebuild(&self, at: Option<LogPoint>) -> Result<Arc<Rebuilt>, ReplayError> {
         let seq = self.resolve_point(at).await?;
-        self.rebuild_to(seq, false).await
+        self.rebuild_to(seq).await
     }
 
-    /// Folds up to `seq`, from the newest snapshot at or before it. With `track_changes` the
-    /// state keeps every key it touched as changed (for [`DirectSource::verify`]); that needs a
-    /// fold from the start.
-    async fn rebuild_to(&self, seq: u64, track_changes: bool) -> Result<Rebuilt, ReplayError> {
-        let start = if track_changes {
-            Rebuilt::empty()
-        } else {
+    /// Folds up to `seq`, from the newest snapshot at or before it, and keeps the result as a
+    /// snapshot (at most [`ReplayConfig::snapshots_kept_max`], spread over the log).
+    async fn rebuild_to(&self, seq: u64) -> Result<Arc<Rebuilt>, ReplayError> {
+        let start = {
             let snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
             match snapshots.range(..=seq).next_back() {
+                Some((&at, snapshot)) if at == seq => return Ok(snapshot.clone()),
                 Some((_, snapshot)) => Rebuilt::clone(snapshot),
                 None => Rebuilt::empty(),
             }
         };
         if start.seq == seq {
-            return Ok(start);
+            return Ok(Arc::new(start));
         }
-        let rebuilt = self.fold(start, seq, track_changes, |_, _| {}).await?;
-        if !track_changes && seq > 0 && self.config.snapshots_kept_max > 0 {
+        let rebuilt = Arc::new(self.fold(start, seq, false, |_, _| {}).await?);
+        if seq > 0 && self.config.snapshots_kept_max > 0 {
             let mut snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-            snapshots.insert(seq, Arc::new(rebuilt.clone()));
+            snapshots.insert(seq, rebuilt.clone());
             while snapshots.len() > self.config.snapshots_kept_max {
                 // Keep the spread: forget the snapshot closest to its older neighbour.
                 let keys: Vec<u64> = snapshots.keys().copied().collect();
@@ -409,7 +410,14 @@ impl Replayer {
         Ok(rebuilt)
     }
 
-    /// Folds the events after `start.seq` up to `to`, calling `visit` after each is applied.
+    /// [`Replayer::rebuild_to`], owned, to fold further.
+    async fn rebuild_owned(&self, seq: u64) -> Result<Rebuilt, ReplayError> {
+        Ok(Arc::unwrap_or_clone(self.rebuild_to(seq).await?))
+    }
+
+    /// Folds the events after `rebuilt.seq` up to `to`, calling `visit` after each is applied.
+    /// With `track_changes` the fold's change tracking is never forgotten, so the state lists
+    /// every key it touched (for [`DirectSource::verify`]).
     async fn fold(
         &self,
         mut rebuilt: Rebuilt,
@@ -432,9 +440,6 @@ impl Replayer {
             }
             self.report(started, events, record.seq, to);
         }
-        if !track_changes {
-            rebuilt.state.drain_changes();
-        }
         // The last events may have been gaps: the state is as of `to` all the same.
         if rebuilt.seq < to {
             rebuilt.seq = to;
@@ -453,7 +458,7 @@ impl Replayer {
             .get(seq)
             .await?
             .ok_or_else(|| ReplayError::NotFound(format!("no event is stored at seq {seq}")))?;
-        let mut before = self.rebuild_to(seq - 1, false).await?;
+        let mut before = self.rebuild_owned(seq - 1).await?;
         let event_type = Redactor::schema().event_type(&record.payload);
         let mut explanation = Explanation {
             record: record.clone(),
@@ -490,7 +495,7 @@ impl Replayer {
         if from > to {
             return Ok((from, to, counts));
         }
-        let start = self.rebuild_to(from - 1, false).await?;
+        let start = self.rebuild_owned(from - 1).await?;
         let redactor = Redactor::schema();
         self.fold(start, to, false, |record, state| {
             let mut event = redactor.redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
@@ -955,7 +960,8 @@ impl DirectSource {
                 "the checkpoint says seq {applied_seq} was applied, but the log ends at {last}"
             )));
         }
-        let mut rebuilt = replayer.rebuild_to(applied_seq, true).await?;
+        // Change tracking kept from the start: the final drain lists every entry.
+        let mut rebuilt = replayer.fold(Rebuilt::empty(), applied_seq, true, |_, _| {}).await?;
         let rebuilt_entries: BTreeMap<Vec<u8>, Vec<u8>> =
             rebuilt.state.drain_changes().into_iter().filter_map(|(key, value)| Some((key, value?))).collect();
         let rebuilt_bytes = rebuilt.state.canonical_bytes();

@@ -10,12 +10,14 @@ use std::time::{Duration, Instant};
 use anima_engine::checkpoint::STATE_PREFIX;
 use anima_engine::instance::{Backend, Instance, InstanceConfig};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use anima_engine::log::jetstream::JetStreamConfig;
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::replay::{
     self, DirectSource, EventFilter, LogPoint, LogRange, ReadQuery, ReplayConfig, ReplayError, Replayer,
     EMBEDDED_CHECKPOINT_TREE,
 };
 use anima_engine::subject;
+use anima_engine::testing::NatsServer;
 use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::redact::TimeBucket;
 use anima_projections::surface::SurfaceId;
@@ -384,6 +386,31 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     let difference = report.first_difference.unwrap();
     assert_eq!((difference.table.as_str(), difference.note.as_str()), ("cursors", "values differ"));
     assert!(difference.key.contains("ada"), "{}", difference.key);
+}
+
+/// A JetStream stream is read directly: a missing stream is refused (not created), an
+/// existing one replays like the embedded log, and its checkpoint in a data dir verifies.
+#[tokio::test]
+async fn a_jetstream_stream_is_read_directly_and_never_created() {
+    let server = tokio::task::spawn_blocking(NatsServer::start).await.unwrap();
+    let config = JetStreamConfig { url: server.url(), stream: "REPLAYTEST".into(), ..JetStreamConfig::default() };
+    let missing = DirectSource::open_jetstream(config.clone(), None).await.unwrap_err();
+    assert!(matches!(missing, ReplayError::Source(_)), "{missing}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let instance = Instance::start(InstanceConfig::new(dir.path(), Backend::JetStream(config.clone()))).await.unwrap();
+    incident(instance.engine.log().as_ref()).await;
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+    instance.stop().await.unwrap();
+
+    let source = DirectSource::open_jetstream(config, Some(dir.path())).await.unwrap();
+    let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
+    assert_eq!(replayer.rebuild(None).await.unwrap().state.canonical_bytes(), live);
+    let held = replayer.explain(6).await.unwrap();
+    assert!(matches!(held.verdict, Some(Verdict::Send(SendVerdict::Held(_)))));
+    let report = source.verify(ReplayConfig::default()).await.unwrap();
+    assert!(report.passed(), "{report:?}");
 }
 
 #[tokio::test]
