@@ -360,7 +360,7 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     let live_after = instance.engine.projection().state().canonical_bytes();
     instance.stop().await.unwrap();
 
-    let source = DirectSource::open_data_dir(dir.path()).unwrap();
+    let source = open_after_stop(dir.path()).await;
     let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
     let nine = replayer.rebuild(Some(LogPoint::Seq(9))).await.unwrap();
     assert_eq!(nine.state.canonical_bytes(), live, "a rebuild equals the live fold");
@@ -380,7 +380,7 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
         tree.insert(key, &[1u8][..]).unwrap();
         db.flush().unwrap();
     }
-    let source = DirectSource::open_data_dir(dir.path()).unwrap();
+    let source = open_after_stop(dir.path()).await;
     let report = source.verify(ReplayConfig::default()).await.unwrap();
     assert!(!report.passed());
     let difference = report.first_difference.unwrap();
@@ -404,7 +404,18 @@ async fn a_jetstream_stream_is_read_directly_and_never_created() {
     let live = instance.engine.projection().state().canonical_bytes();
     instance.stop().await.unwrap();
 
-    let source = DirectSource::open_jetstream(config, Some(dir.path())).await.unwrap();
+    // The stopped instance's sled lock on the data dir is released a moment after it stops.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let source = loop {
+        match DirectSource::open_jetstream(config.clone(), Some(dir.path())).await {
+            Ok(source) => break source,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("data dir still locked 10 s after the instance stopped: {e}"),
+        }
+    };
     let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
     assert_eq!(replayer.rebuild(None).await.unwrap().state.canonical_bytes(), live);
     let held = replayer.explain(6).await.unwrap();
@@ -487,4 +498,21 @@ async fn rebuild_equals_a_direct_fold() {
         rate(rebuild),
         rate(rebuild) / rate(raw)
     );
+}
+
+/// Opens a data dir an instance just stopped using. sled releases its directory lock when its
+/// background flusher thread lets go of the database, which can be a moment after the last
+/// handle is dropped; a bounded retry covers that.
+async fn open_after_stop(path: &std::path::Path) -> DirectSource {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match DirectSource::open_data_dir(path) {
+            Ok(source) => return source,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("data dir still locked 10 s after the instance stopped: {e}"),
+        }
+    }
 }
