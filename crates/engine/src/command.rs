@@ -148,6 +148,15 @@ pub struct SendDecision {
 }
 
 #[derive(Clone, Debug)]
+pub struct FinishOutcome {
+    pub seq: u64,
+    /// A restart drain: the item is queued again.
+    pub requeued: bool,
+    /// For a memory pass that did not drain: the outcome the fold recorded.
+    pub memory_outcome: Option<anima_projections::memory::MemoryOutcomeRecord>,
+}
+
+#[derive(Clone, Debug)]
 pub struct ClaimOutcome {
     pub seq: u64,
     pub wake: Option<ClaimedWakeText>,
@@ -561,6 +570,7 @@ impl Engine {
             SurfaceId::Linear { .. } => {
                 return Err(invalid("target", "a Linear response is confirmed with Sends.ConfirmResponse"))
             }
+            SurfaceId::Memory { .. } => return Err(invalid("target", "is not a conversation")),
         }
         validate::slack_text("text", &confirmation.text)?;
         validate::files("files", &confirmation.files)?;
@@ -643,7 +653,7 @@ impl Engine {
         &self,
         request: proto::WakeFinishRequested,
         request_id: &str,
-    ) -> Result<(u64, bool), CommandError> {
+    ) -> Result<FinishOutcome, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
         validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
@@ -662,7 +672,9 @@ impl Engine {
         let envelope = self.envelope(event_id, 0, Payload::WakeFinish(request.clone()));
         let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
         match verdict {
-            Verdict::Finished { requeued, .. } => Ok((outcome.seq(), requeued)),
+            Verdict::Finished { requeued, memory_outcome, .. } => {
+                Ok(FinishOutcome { seq: outcome.seq(), requeued, memory_outcome: memory_outcome.map(|o| *o) })
+            }
             other => Err(unexpected(other)),
         }
     }
@@ -792,6 +804,7 @@ pub fn surface_subject(surface: &SurfaceId) -> String {
         }
         SurfaceId::Chat { tenant, chat, thread } => subject::chat_surface_subject(tenant, chat, thread.as_deref()),
         SurfaceId::Linear { session } => subject::linear_session_subject(session),
+        SurfaceId::Memory { agent } => subject::agent_subject(agent),
     }
 }
 

@@ -58,6 +58,8 @@ impl State {
             Some(Payload::LinearSession(event)) => self.observe_linear_session(at, event),
             Some(Payload::LinearResponse(request)) => self.request_linear_response(at, &envelope.event_id, request),
             Some(Payload::LinearResponseOutcome(outcome)) => self.record_linear_response_outcome(outcome),
+            Some(Payload::MemoryConfig(config)) => self.configure_memory(config),
+            Some(Payload::MemoryPass(request)) => self.request_memory_pass(at, request),
             None if envelope.min_reader_version > READER_VERSION => {
                 self.meta.halted = Some(Halt {
                     seq: at.seq,
@@ -218,6 +220,7 @@ impl State {
                     "a Linear response is confirmed with Sends.ConfirmResponse",
                 )
             }
+            SurfaceId::Memory { .. } => return refused(RefusalKind::InvalidArgument, "target is not a conversation"),
         };
         let existing = self.identities.get(&(surface.clone(), confirmation.ts.clone())).copied();
         let ordinal = match existing {
@@ -235,6 +238,7 @@ impl State {
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
                 }
+                self.note_memory_history(at, &agent);
                 ordinal
             }
         };
@@ -345,6 +349,7 @@ impl State {
             resume_after_restart: false,
             note: None,
             linear: None,
+            memory: None,
         };
         (Some(routed.route), self.queue_wake(at, agent, item))
     }

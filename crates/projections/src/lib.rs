@@ -9,6 +9,7 @@
 pub mod fold;
 pub mod journal;
 pub mod linear;
+pub mod memory;
 pub mod memory_slot;
 pub mod redact;
 pub mod render;

@@ -125,6 +125,7 @@ impl State {
                 issue_identifier: event.issue_identifier.clone(),
                 issue_url: event.issue_url.clone(),
             }),
+            memory: None,
         };
         let wake = self.queue_wake(at, &agent, item);
         Verdict::LinearSession(LinearSessionVerdict {

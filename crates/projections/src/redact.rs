@@ -380,6 +380,10 @@ pub struct RedactedOutcome {
     pub ordinal: u64,
     /// Claimed: the wake carries a mute suggestion (an attention note).
     pub note_shown: bool,
+    /// A memory pass's finish: the outcome recorded ("completed", "quiet_skipped", "failed").
+    pub memory_outcome: Option<String>,
+    /// A memory pass's finish: seconds from its slot to its start (`None`: never started).
+    pub memory_delay_seconds: Option<u64>,
 }
 
 impl RedactedOutcome {
@@ -419,7 +423,15 @@ impl RedactedOutcome {
                 RedactedOutcome { settled_without_turn: coalesced.len() as u64, ..RedactedOutcome::kind("started") }
             }
             Verdict::Finished { requeued: true, .. } => RedactedOutcome::kind("requeued"),
-            Verdict::Finished { requeued: false, .. } => RedactedOutcome::kind("finished"),
+            Verdict::Finished { requeued: false, memory_outcome, .. } => RedactedOutcome {
+                memory_outcome: memory_outcome.as_ref().map(|o| o.outcome.as_str().to_owned()),
+                memory_delay_seconds: memory_outcome
+                    .as_ref()
+                    .and_then(|o| o.delay_ns)
+                    .map(|ns| u64::try_from(ns.max(0) / 1_000_000_000).unwrap_or(0)),
+                ..RedactedOutcome::kind("finished")
+            },
+            Verdict::MemoryPassQueued { .. } => RedactedOutcome::kind("memory_pass_queued"),
             Verdict::Refused(refusal) => RedactedOutcome {
                 refusal: Some(refusal_name(refusal.kind).to_owned()),
                 ..RedactedOutcome::kind("refused")
@@ -504,6 +516,11 @@ pub struct Figures {
     /// Confirmed posts in DMs: in a thread, and on the main timeline.
     pub dm_replies_threaded: u64,
     pub dm_replies_top_level: u64,
+    pub memory_passes_queued: u64,
+    /// Recorded memory-pass outcomes by name.
+    pub memory_outcomes: BTreeMap<String, u64>,
+    pub memory_delay_seconds_sum: u64,
+    pub memory_delay_count: u64,
 }
 
 impl Figures {
@@ -530,6 +547,7 @@ impl Figures {
                 self.notes_shown += u64::from(outcome.is_some_and(|o| o.note_shown));
             }
             "started" => self.starts += 1,
+            "memory_pass_queued" => self.memory_passes_queued += 1,
             "requeued" => *self.finishes_by_outcome.entry("requeued".to_owned()).or_default() += 1,
             "finished" => {
                 let reported = match event.field("outcome") {
@@ -537,6 +555,13 @@ impl Figures {
                     _ => "unspecified".to_owned(),
                 };
                 *self.finishes_by_outcome.entry(reported).or_default() += 1;
+                if let Some(memory) = outcome.and_then(|o| o.memory_outcome.clone()) {
+                    *self.memory_outcomes.entry(memory).or_default() += 1;
+                }
+                if let Some(delay) = outcome.and_then(|o| o.memory_delay_seconds) {
+                    self.memory_delay_seconds_sum += delay;
+                    self.memory_delay_count += 1;
+                }
             }
             "refused" => {
                 let refusal = outcome.and_then(|o| o.refusal.clone()).unwrap_or_default();
@@ -623,7 +648,7 @@ mod tests {
     #[test]
     fn variant_names_keep_only_the_identifier() {
         assert_eq!(variant_name(&Verdict::AgentRegistered), "agent_registered");
-        let finished = Verdict::Finished { item_id: "secret text".into(), requeued: false };
+        let finished = Verdict::Finished { item_id: "secret text".into(), requeued: false, memory_outcome: None };
         assert_eq!(variant_name(&finished), "finished");
     }
 }

@@ -284,8 +284,8 @@ pub fn put_attention_note(out: &mut impl Sink, note: &crate::subscription::Atten
         SurfaceId::Slack { thread_ts: Some(_), .. } => ("this thread", "anima subscription mute --channel "),
         SurfaceId::Chat { thread: None, .. } => ("this chat", "anima subscription mute --chat-id "),
         SurfaceId::Chat { thread: Some(_), .. } => ("this thread", "anima subscription mute --chat-id "),
-        // Linear wakes are never counted for attention notes.
-        SurfaceId::Linear { .. } => return,
+        // Linear wakes and memory passes are never counted for attention notes.
+        SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => return,
     };
     match note.kind {
         crate::subscription::NoteKind::Burst => out.put(&format!(
@@ -313,7 +313,7 @@ pub fn put_attention_note(out: &mut impl Sink, note: &crate::subscription::Atten
                 put_command_argument(out, thread);
             }
         }
-        SurfaceId::Linear { .. } => {}
+        SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => {}
     }
     out.put("\n");
 }
@@ -358,6 +358,7 @@ pub fn put_wake_latest_header(out: &mut impl Sink, item: &crate::wake::WakeItem)
             put_field(out, "message_id", &item.trigger.ts);
         }
         SurfaceId::Linear { session } => put_field(out, "session_id", session),
+        SurfaceId::Memory { .. } => {}
     }
     out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
     out.put("user: ");
@@ -401,6 +402,10 @@ pub fn put_wake_tail(out: &mut impl Sink, item: &crate::wake::WakeItem) {
             (" thread_id=", thread)
         }
         SurfaceId::Linear { .. } => unreachable!("answered above"),
+        SurfaceId::Memory { .. } => {
+            out.put("reply_to: none (a memory pass answers nobody)\n");
+            return;
+        }
     };
     match thread {
         Some(thread) => {
@@ -464,6 +469,45 @@ pub fn wake_frame_bytes_max(item: &crate::wake::WakeItem) -> usize {
     count.0 + item.trigger.sender_bytes as usize + 1 + item.trigger.body_bytes as usize
 }
 
+/// A memory pass (DESIGN §4.10): when it runs, the slot it was scheduled for in the configured
+/// zone, and what it is for — the maintenance form, or the consolidation form when the claim
+/// reported a `MEMORY.md` above the threshold. No content of any conversation appears here.
+pub fn put_memory_wake(
+    out: &mut impl Sink,
+    item: &crate::wake::WakeItem,
+    memory: &crate::memory::MemoryWake,
+    memory_md_bytes: u64,
+    consolidation_threshold_bytes: u64,
+) {
+    out.put("[anima] memory pass\n");
+    if item.resume_after_restart {
+        out.put(
+            "[anima] A runtime restart interrupted this memory pass. Continue it from the files as they are now.\n",
+        );
+    }
+    out.put("=== latest wake ===\n");
+    out.put("reason: memory\n");
+    out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
+    out.put(&format!(
+        "scheduled: {} ({})\n",
+        format_utc(memory.slot_at_ns.div_euclid(1_000_000_000)),
+        memory.slot_label
+    ));
+    out.put(&format!("window_day: {}\n", memory.window_day));
+    let consolidate = memory_md_bytes > consolidation_threshold_bytes;
+    if consolidate {
+        out.put(&format!(
+            "form: consolidation (MEMORY.md is {memory_md_bytes} bytes, above {consolidation_threshold_bytes})\n"
+        ));
+        out.put("This is your daily memory pass. MEMORY.md has grown past the size it is meant to stay under: this pass is for consolidating it, so that what matters is short enough to be read on every wake, with details moved into notes/ and what no longer holds removed.\n");
+    } else {
+        out.put("form: maintenance\n");
+        out.put("This is your daily memory pass. It is for bringing MEMORY.md and notes/ up to date with what happened since the last pass, so that your next wakes start from an accurate picture. Nothing is waiting for an answer.\n");
+    }
+    out.put("=== reply ===\n");
+    out.put("reply_to: none (a memory pass answers nobody); finish it with the digests of MEMORY.md and notes/ taken before and after\n");
+}
+
 /// Renders a claimed wake from the fold's verdict and the bodies of its rows.
 pub fn render_wake_text(
     reader: &str,
@@ -473,6 +517,10 @@ pub fn render_wake_text(
 ) -> String {
     let item = &claimed.item;
     let mut out = String::new();
+    if let Some(memory) = &item.memory {
+        put_memory_wake(&mut out, item, memory, claimed.memory_md_bytes, claimed.consolidation_threshold_bytes);
+        return out;
+    }
     if let Some(linear) = &item.linear {
         put_linear_wake(&mut out, item, linear, trigger_body);
         return out;

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::journal::SurfaceJournal;
 use crate::linear::{LinearResponse, LinearResponseKey};
+use crate::memory::{MemoryConfig, MemoryGate, OpenPass};
 use crate::subscription::Subscription;
 use crate::surface::{ChatKind, SurfaceId};
 use crate::table::Table;
@@ -17,7 +18,7 @@ use crate::wake::AgentQueue;
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 4;
+pub const FOLD_VERSION: u32 = 5;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -99,6 +100,12 @@ pub struct State {
     pub linear_activities: Table<String, LinearResponseKey>,
     /// Log seq of the request → response key, to forget the oldest response beyond the bound.
     pub linear_response_order: Table<u64, LinearResponseKey>,
+    /// The newest `memoryCoherence` configuration in the log (absent: the defaults).
+    pub memory_config: Table<(), MemoryConfig>,
+    /// Agent → its memory-pass gate: newest history, newest outcome, last window-day queued.
+    pub memory_gates: Table<String, MemoryGate>,
+    /// Pass id → the memory passes queued or running, fleet-wide: what `maxConcurrent` counts.
+    pub memory_open: Table<String, OpenPass>,
 }
 
 /// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
@@ -185,6 +192,9 @@ state_tables! {
     16 => linear_responses,
     17 => linear_activities,
     18 => linear_response_order,
+    19 => memory_config,
+    20 => memory_gates,
+    21 => memory_open,
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
@@ -230,7 +240,7 @@ impl State {
         match surface {
             SurfaceId::Slack { .. } => surface.is_slack_dm(),
             SurfaceId::Chat { .. } => self.chat_kinds.get(&surface.top_level()) == Some(&ChatKind::P2p),
-            SurfaceId::Linear { .. } => false,
+            SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
     }
 

@@ -268,7 +268,7 @@ impl State {
         let target = match reason {
             WakeReason::ChannelFollow => channel_of(surface),
             WakeReason::ThreadFollow => surface.clone(),
-            WakeReason::Dm | WakeReason::Mention | WakeReason::Linear => return None,
+            WakeReason::Dm | WakeReason::Mention | WakeReason::Linear | WakeReason::Memory => return None,
         };
         let attention = &mut self.subscription_mut(agent, &target).attention;
         let kind = attention.count_wake(at.at_ns)?;

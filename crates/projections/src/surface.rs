@@ -32,6 +32,11 @@ pub enum SurfaceId {
     Linear {
         session: String,
     },
+    /// An agent's memory (`MEMORY.md` and `notes/`): the surface of its memory passes. It has no
+    /// journal, no cursors and no reply target.
+    Memory {
+        agent: String,
+    },
 }
 
 /// Whether a chat is one-to-one (behaves like a DM) or a group.
@@ -113,6 +118,8 @@ impl SurfaceId {
             SurfaceId::Linear { session } => {
                 proto::reply_target::Target::Linear(proto::LinearTarget { session_id: session.clone() })
             }
+            // A memory pass answers nobody.
+            SurfaceId::Memory { .. } => return proto::ReplyTarget { target: None },
         };
         proto::ReplyTarget { target: Some(target) }
     }
@@ -122,7 +129,7 @@ impl SurfaceId {
     pub fn is_slack_dm(&self) -> bool {
         match self {
             SurfaceId::Slack { channel, .. } => channel.starts_with('D'),
-            SurfaceId::Chat { .. } | SurfaceId::Linear { .. } => false,
+            SurfaceId::Chat { .. } | SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
     }
 
@@ -131,7 +138,7 @@ impl SurfaceId {
         match self {
             SurfaceId::Slack { thread_ts, .. } => thread_ts.as_deref(),
             SurfaceId::Chat { thread, .. } => thread.as_deref(),
-            SurfaceId::Linear { .. } => None,
+            SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => None,
         }
     }
 
@@ -144,7 +151,7 @@ impl SurfaceId {
             SurfaceId::Chat { tenant, chat, .. } => {
                 SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: None }
             }
-            SurfaceId::Linear { .. } => self.clone(),
+            SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => self.clone(),
         }
     }
 
@@ -158,8 +165,8 @@ impl SurfaceId {
             SurfaceId::Chat { tenant, chat, .. } => {
                 SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: Some(root.to_owned()) }
             }
-            // A session has no threads.
-            SurfaceId::Linear { .. } => self.clone(),
+            // A session and a memory have no threads.
+            SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => self.clone(),
         }
     }
 
@@ -174,6 +181,10 @@ impl SurfaceId {
         if let Some(session) = key.strip_prefix("linear:") {
             let valid = !session.is_empty() && session.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
             return valid.then(|| SurfaceId::Linear { session: session.to_owned() });
+        }
+        if let Some(agent) = key.strip_prefix("memory:") {
+            let surface = SurfaceId::Memory { agent: unescape_key_part(agent)? };
+            return (!agent.is_empty() && surface.to_string() == key).then_some(surface);
         }
         let mut parts = key.split(':');
         let platform = parts.next()?;
@@ -223,6 +234,7 @@ impl std::fmt::Display for SurfaceId {
                 Ok(())
             }
             SurfaceId::Linear { session } => write!(f, "linear:{session}"),
+            SurfaceId::Memory { agent } => write!(f, "memory:{}", escape_key_part(agent)),
         }
     }
 }

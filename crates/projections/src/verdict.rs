@@ -35,6 +35,16 @@ pub enum Verdict {
     Finished {
         item_id: String,
         requeued: bool,
+        /// For a memory pass that did not drain: its recorded outcome.
+        memory_outcome: Option<Box<crate::memory::MemoryOutcomeRecord>>,
+    },
+    /// A configuration event was folded.
+    Configured,
+    /// A memory pass was queued for the agent.
+    MemoryPassQueued {
+        agent: String,
+        pass_id: String,
+        window_day: String,
     },
     /// A Linear session event was folded for its receiving agent.
     LinearSession(LinearSessionVerdict),
@@ -103,6 +113,11 @@ pub struct ClaimedWake {
     /// Rows after the cursors that are not shown.
     pub not_shown: u64,
     pub settled_without_turn: Vec<String>,
+    /// For a memory pass: the size of `MEMORY.md` the claim reported, in bytes.
+    pub memory_md_bytes: u64,
+    /// For a memory pass: the configured threshold at the claim's place in the log; a larger
+    /// `MEMORY.md` gets the consolidation form.
+    pub consolidation_threshold_bytes: u64,
 }
 
 /// What one Linear session event did for its receiving agent.

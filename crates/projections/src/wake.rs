@@ -27,6 +27,8 @@ pub enum WakeReason {
     ChannelFollow,
     /// A Linear agent session was created or prompted. Never counted for attention notes.
     Linear,
+    /// The agent's daily memory pass.
+    Memory,
 }
 
 impl WakeReason {
@@ -37,6 +39,7 @@ impl WakeReason {
             WakeReason::ThreadFollow => "thread_follow",
             WakeReason::ChannelFollow => "channel_follow",
             WakeReason::Linear => "linear",
+            WakeReason::Memory => "memory",
         }
     }
 }
@@ -62,6 +65,8 @@ pub struct WakeItem {
     /// Set for Linear wakes: what the wake text shows besides the prompt. The trigger "row" of a
     /// Linear wake is the session event itself (ordinal 0, on no journal): its body is the prompt.
     pub linear: Option<LinearWake>,
+    /// Set for memory passes (item id `memory-pass:{agent}:{window_day}`).
+    pub memory: Option<crate::memory::MemoryWake>,
 }
 
 /// The non-content fields of the Linear session event behind a wake.
@@ -135,6 +140,7 @@ impl State {
         let reason = item.reason;
         item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
         self.queues.entry_or_default(agent.to_owned()).queued.push_back(item);
+        self.note_memory_history(at, agent);
         Some(reason)
     }
 
@@ -173,8 +179,8 @@ impl State {
     /// to when that is another one — the response thread at the trigger, for a channel's (or a
     /// group chat's) top level. DMs, p2p chats and threads are answered where they are.
     fn plan_surfaces(item: &WakeItem) -> Vec<SurfaceId> {
-        if item.linear.is_some() {
-            // A Linear session has no journal: its plan moves nothing.
+        if item.linear.is_some() || item.memory.is_some() {
+            // A Linear session and a memory have no journal: their plans move nothing.
             Vec::new()
         } else if item.reply_to != item.trigger_surface {
             vec![item.trigger_surface.clone(), item.reply_to.clone()]
@@ -307,6 +313,8 @@ impl State {
                 rows,
                 not_shown,
                 settled_without_turn,
+                memory_md_bytes: request.memory_md_bytes,
+                consolidation_threshold_bytes: self.memory_config().consolidation_threshold_bytes,
             })));
         }
     }
@@ -372,6 +380,9 @@ impl State {
         if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
             active.started_seq = Some(at.seq);
             active.last_alive_ns = at.at_ns;
+        }
+        if active.item.memory.is_some() {
+            self.note_memory_pass_started(at, &active.item.id);
         }
         let coalesced = self.coalesce(at, &agent, &plan);
         Verdict::Started { item_id: request.item_id.clone(), coalesced }
@@ -457,16 +468,38 @@ impl State {
             return refused(RefusalKind::InvalidArgument, "outcome is unspecified");
         }
         let requeue = outcome == proto::WakeOutcome::Aborted && request.restart_drain;
+        let is_memory_pass = active.item.memory.is_some();
+        if is_memory_pass && outcome == proto::WakeOutcome::Completed {
+            for (field, digest) in [
+                ("memory_digest_before", &request.memory_digest_before),
+                ("memory_digest_after", &request.memory_digest_after),
+            ] {
+                if digest.len() != crate::memory::DIGEST_BYTES {
+                    return refused(
+                        RefusalKind::InvalidArgument,
+                        format!(
+                            "a completed memory pass carries {field}, a SHA-256 digest of {} bytes (got {})",
+                            crate::memory::DIGEST_BYTES,
+                            digest.len()
+                        ),
+                    );
+                }
+            }
+        }
         let queue = self.queues.get_mut(&agent).expect("queue exists");
         queue.active = None;
+        let mut memory_outcome = None;
         if requeue {
             let mut item = active.item;
             item.resume_after_restart = true;
             queue.queued.push_front(item);
         } else {
             self.remember_settled(at, &agent, &active.item.id);
+            if is_memory_pass {
+                memory_outcome = Some(Box::new(self.record_memory_outcome(at, &agent, &active.item, request)));
+            }
         }
-        Verdict::Finished { item_id: request.item_id.clone(), requeued: requeue }
+        Verdict::Finished { item_id: request.item_id.clone(), requeued: requeue, memory_outcome }
     }
 }
 

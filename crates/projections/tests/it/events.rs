@@ -113,6 +113,7 @@ pub fn claim_item(agent_id: &str, worker: &str, item: &str) -> Envelope {
             agent_id: agent_id.to_owned(),
             worker_id: worker.to_owned(),
             item_id: item.to_owned(),
+            memory_md_bytes: 0,
         }),
     )
 }
@@ -166,6 +167,8 @@ pub fn finish_item(agent_id: &str, worker: &str, item: &str, outcome: proto::Wak
             outcome: outcome as i32,
             reason: String::new(),
             restart_drain: false,
+            memory_digest_before: Vec::new(),
+            memory_digest_after: Vec::new(),
         }),
     )
 }

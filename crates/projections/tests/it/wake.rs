@@ -54,8 +54,9 @@ fn describe_verdict(log: &TestLog, agent: &str, seq: u64) -> String {
         Verdict::Started { item_id, coalesced } => {
             format!("started {item_id}; settled without a turn: {}\n", list(coalesced))
         }
-        Verdict::Finished { item_id, requeued } => {
-            format!("finished {item_id}{}\n", if *requeued { ", re-queued" } else { "" })
+        Verdict::Finished { item_id, requeued, memory_outcome } => {
+            let outcome = memory_outcome.as_ref().map(|o| format!(" ({})", o.outcome.as_str())).unwrap_or_default();
+            format!("finished {item_id}{}{outcome}\n", if *requeued { ", re-queued" } else { "" })
         }
         Verdict::Refused(refusal) => describe_refusal(refusal) + "\n",
         other => format!("{other:?}\n"),
