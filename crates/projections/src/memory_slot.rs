@@ -330,6 +330,11 @@ impl MemoryPassCalendar {
         None
     }
 
+    /// [`MemoryPassCalendar::next_slot`] with `now` as unix nanoseconds.
+    pub fn next_slot_at_ns(&self, now_at_ns: i64, agent_id: &str) -> Option<MemoryPassSlot> {
+        self.next_slot(Timestamp::from_nanosecond(i128::from(now_at_ns)).ok()?, agent_id)
+    }
+
     /// An instant in the configured zone for people and wake text: `YYYY-MM-DD HH:MM ABBR`,
     /// e.g. `2024-03-10 03:30 EDT`.
     pub fn local_label(&self, at: Timestamp) -> String {

@@ -26,11 +26,14 @@
 //! single-writer design is what keeps seqs dense.
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::clock::{Clock, SystemClock};
 
 use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter};
 
@@ -65,7 +68,7 @@ const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
 const PRUNE_PER_COMMIT_MIN: usize = 256;
 
 /// Settings of the embedded log.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct EmbeddedConfig {
     /// An append whose msg id was stored less than this long ago (log time) is a duplicate.
     /// Default 10 minutes, like the JetStream stream: Slack retries for about 5 minutes.
@@ -73,11 +76,18 @@ pub struct EmbeddedConfig {
     /// Records one group commit takes at most (one `apply_batch`, one `flush`). Larger groups
     /// amortize the flush; the bound keeps one batch's memory and latency in check.
     pub group_commit_records_max: usize,
+    /// What records are stamped with (made strictly monotonic). The wall clock unless a test
+    /// injects another.
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for EmbeddedConfig {
     fn default() -> Self {
-        EmbeddedConfig { duplicate_window: Duration::from_secs(10 * 60), group_commit_records_max: 4096 }
+        EmbeddedConfig {
+            duplicate_window: Duration::from_secs(10 * 60),
+            group_commit_records_max: 4096,
+            clock: Arc::new(SystemClock),
+        }
     }
 }
 
@@ -138,6 +148,7 @@ impl EmbeddedLog {
             last_timestamp_ns,
             duplicate_window_ns: duration_ns(config.duplicate_window),
             group_commit_records_max: config.group_commit_records_max,
+            clock: config.clock.clone(),
             failure: None,
         };
         let writer = std::thread::Builder::new()
@@ -368,6 +379,7 @@ struct LogWriter {
     group_commit_records_max: usize,
     /// Set when a write or flush failed: the tree's state is then unknown, so every later append
     /// fails closed instead of risking a gap or a reused seq. Reopen to recover.
+    clock: Arc<dyn Clock>,
     failure: Option<String>,
 }
 
@@ -451,7 +463,7 @@ impl LogWriter {
         let mut stored_here: HashMap<&str, u64> = HashMap::new();
         let mut last_seq = self.last_seq;
         let mut last_timestamp_ns = self.last_timestamp_ns;
-        let now_ns = wall_clock_ns();
+        let now_ns = self.clock.now_ns();
         let mut records_total = 0usize;
 
         for request in group {
@@ -699,12 +711,6 @@ fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
 
 fn payload_bytes(records: &[AppendRecord]) -> usize {
     records.iter().map(|record| record.payload.len()).sum()
-}
-
-/// Wall clock in unix nanoseconds; a clock before 1970 reads as 0 (the writer's monotonic stamp
-/// then keeps time moving forward).
-fn wall_clock_ns() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(duration_ns).unwrap_or(0)
 }
 
 fn duration_ns(duration: Duration) -> i64 {

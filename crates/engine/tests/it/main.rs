@@ -3,3 +3,4 @@
 mod conformance;
 mod replay;
 mod runner;
+mod memory;
