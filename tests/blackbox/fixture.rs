@@ -1,6 +1,7 @@
 //! Starts the real `anima-wake` binary on a temp data dir (and, for JetStream, its own
 //! `nats-server`) and gives authenticated gRPC clients. Everything is killed on drop.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,12 +11,14 @@ use std::time::Duration;
 use anima_engine::testing::NatsServer;
 use anima_gateway::api;
 use tonic::metadata::MetadataValue;
-use tonic::transport::Channel;
+use tonic::transport::{Channel, ClientTlsConfig};
 
 pub const CONNECTOR_TOKEN: &str = "connector-token-0123456789";
 pub const ADA_RUNTIME_TOKEN: &str = "runtime-ada-token-0123456789";
 pub const BOB_RUNTIME_TOKEN: &str = "runtime-bob-token-0123456789";
 pub const ANALYTICS_TOKEN: &str = "analytics-token-0123456789";
+pub const REPLAY_TOKEN: &str = "replay-token-0123456789";
+pub const ADMIN_TOKEN: &str = "admin-token-0123456789";
 
 /// Tokens and agents every black-box server starts with.
 pub const CONFIG: &str = r#"
@@ -41,6 +44,16 @@ name = "analytics"
 token = "analytics-token-0123456789"
 role = "analytics"
 
+[[tokens]]
+name = "replay"
+token = "replay-token-0123456789"
+role = "replay"
+
+[[tokens]]
+name = "admin"
+token = "admin-token-0123456789"
+role = "admin"
+
 [[agents]]
 id = "ada"
 slack_bot_user_id = "U0ADA"
@@ -64,9 +77,26 @@ pub enum Backend {
     JetStream,
 }
 
+/// What a test changes about the server it starts.
+#[derive(Clone, Debug, Default)]
+pub struct ServerOptions {
+    /// Top-level TOML keys put before [`CONFIG`] (e.g. `tls_cert = "..."`).
+    pub config_prefix: String,
+    /// More `serve` flags.
+    pub args: Vec<OsString>,
+    /// The CA (PEM) that signed the server's certificate: clients connect over TLS with it.
+    pub tls_ca_pem: Option<String>,
+    /// The body of the `[memoryCoherence]` table. `None`: no memory-pass scheduler
+    /// (`tickSeconds = 0`), so passes never mix into the wakes other tests claim.
+    pub memory_coherence: Option<String>,
+}
+
 pub struct Server {
     child: Option<Child>,
     pub addr: SocketAddr,
+    /// Where `/metrics` is served, when started with `--metrics-listen`.
+    pub metrics_addr: Option<SocketAddr>,
+    options: ServerOptions,
     data: tempfile::TempDir,
     nats_url: Option<String>,
     _nats: Option<NatsServer>,
@@ -97,17 +127,43 @@ impl Server {
         Server::spawn_new(Some(nats_url.to_owned()), None)
     }
 
+    /// A server on its own embedded log, started with `options`.
+    pub fn start_with(options: ServerOptions) -> Server {
+        Server::spawn_with(None, None, options)
+    }
+
+    /// A server on its own log (a temp embedded log, or its own `nats-server`), started with
+    /// `options`.
+    pub fn start_on(backend: Backend, options: ServerOptions) -> Server {
+        let nats = (backend == Backend::JetStream).then(NatsServer::start);
+        let url = nats.as_ref().map(|n| n.url());
+        Server::spawn_with(url, nats, options)
+    }
+
     fn spawn_new(nats_url: Option<String>, nats: Option<NatsServer>) -> Server {
+        Server::spawn_with(nats_url, nats, ServerOptions::default())
+    }
+
+    fn spawn_with(nats_url: Option<String>, nats: Option<NatsServer>, options: ServerOptions) -> Server {
         let data = tempfile::tempdir().expect("temp dir");
-        let mut server =
-            Server { child: None, addr: SocketAddr::from(([127, 0, 0, 1], 0)), data, nats_url, _nats: nats };
+        let mut server = Server {
+            child: None,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            metrics_addr: None,
+            options,
+            data,
+            nats_url,
+            _nats: nats,
+        };
         server.spawn();
         server
     }
 
     fn spawn(&mut self) {
         let config = self.data.path().join("anima.toml");
-        std::fs::write(&config, CONFIG).expect("write config");
+        let memory = self.options.memory_coherence.as_deref().unwrap_or("tickSeconds = 0");
+        let text = format!("{}\n{CONFIG}\n[memoryCoherence]\n{memory}\n", self.options.config_prefix);
+        std::fs::write(&config, text).expect("write config");
         let mut command = Command::new(binary());
         command
             .arg("serve")
@@ -115,25 +171,37 @@ impl Server {
             .arg(&config)
             .arg("--data")
             .arg(self.data.path().join("data"))
-            .arg("--listen")
-            .arg("127.0.0.1:0")
             .env("ANIMA_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         if let Some(url) = &self.nats_url {
             command.arg("--nats").arg(url);
         }
+        if !self.options.args.iter().any(|a| a == "--listen") {
+            command.arg("--listen").arg("127.0.0.1:0");
+        }
+        command.args(&self.options.args);
         let mut child = command.spawn().expect("spawn anima-wake");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            // The metrics line, when there is one, comes before the listening line.
+            let mut metrics_addr = None;
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("anima-wake metrics on ") {
+                    metrics_addr = Some(addr.trim().parse::<SocketAddr>().expect("metrics address"));
+                }
                 if let Some(addr) = line.strip_prefix("anima-wake listening on ") {
-                    let _ = tx.send(addr.trim().parse::<SocketAddr>().expect("address"));
+                    let _ = tx.send((addr.trim().parse::<SocketAddr>().expect("address"), metrics_addr));
                 }
             }
         });
-        self.addr = rx.recv_timeout(Duration::from_secs(60)).expect("anima-wake did not start listening within 60 s");
+        (self.addr, self.metrics_addr) =
+            rx.recv_timeout(Duration::from_secs(60)).expect("anima-wake did not start listening within 60 s");
+        // Bound to every address (a non-loopback test): clients come in over loopback.
+        if self.addr.ip().is_unspecified() {
+            self.addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
         self.child = Some(child);
     }
 
@@ -152,8 +220,44 @@ impl Server {
         self.spawn();
     }
 
+    /// A connection to the gRPC port: over TLS, trusting the test CA, when the server has a
+    /// certificate; plain text otherwise.
     pub async fn channel(&self) -> Channel {
-        Channel::from_shared(format!("http://{}", self.addr)).expect("uri").connect().await.expect("connect")
+        match &self.options.tls_ca_pem {
+            Some(ca) => {
+                let tls = ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+                    .domain_name("localhost");
+                Channel::from_shared(format!("https://{}", self.addr))
+                    .expect("uri")
+                    .tls_config(tls)
+                    .expect("client TLS config")
+                    .connect()
+                    .await
+                    .expect("connect over TLS")
+            }
+            None => {
+                Channel::from_shared(format!("http://{}", self.addr)).expect("uri").connect().await.expect("connect")
+            }
+        }
+    }
+
+    /// The text `GET /metrics` answers, read over plain HTTP/1.1.
+    pub async fn scrape_metrics(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.metrics_addr.expect("started with --metrics-listen");
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect to the metrics listener");
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("write the request");
+        let mut response = String::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut response))
+            .await
+            .expect("metrics answered within 10 s")
+            .expect("read the response");
+        let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.to_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
+        body.to_owned()
     }
 
     pub async fn ingest(&self, token: &str) -> api::ingest_client::IngestClient<Authed> {
@@ -164,9 +268,49 @@ impl Server {
         api::wakes_client::WakesClient::with_interceptor(self.channel().await, bearer(token))
     }
 
+    pub async fn memory(&self, token: &str) -> api::memory_client::MemoryClient<Authed> {
+        api::memory_client::MemoryClient::with_interceptor(self.channel().await, bearer(token))
+    }
+
     pub async fn sends(&self, token: &str) -> api::sends_client::SendsClient<Authed> {
         api::sends_client::SendsClient::with_interceptor(self.channel().await, bearer(token))
     }
+}
+
+/// Runs `anima-wake serve` with `config` (the whole file) and `args`, expecting start-up to be
+/// refused: returns what it wrote to stderr once it exited with a failure.
+pub fn serve_refused(config: &str, args: &[&str]) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("anima.toml");
+    std::fs::write(&path, config).expect("write config");
+    let mut child = Command::new(binary())
+        .arg("serve")
+        .arg("--config")
+        .arg(&path)
+        .arg("--data")
+        .arg(dir.path().join("data"))
+        .args(args)
+        .env("ANIMA_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn anima-wake");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for anima-wake") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("anima-wake did not refuse to start within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut stderr).expect("read stderr");
+    assert!(!status.success(), "anima-wake started with {config:?}: {stderr}");
+    stderr
 }
 
 impl Drop for Server {

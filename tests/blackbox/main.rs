@@ -1,9 +1,14 @@
 //! Black-box tests: the real `anima-wake` binary, started as a process, driven by real gRPC
 //! clients, on both log backends.
 
+mod access;
 mod chat;
 mod fixture;
+mod limits;
 mod linear;
+mod memory;
+mod metrics;
 mod race;
 mod send_hold;
+mod tls;
 mod wakes;

@@ -26,7 +26,7 @@ use crate::subject;
 use crate::validate::{self, invalid};
 
 /// Namespace of the engine's derived (UUID v5) event ids.
-const EVENT_ID_NAMESPACE: Uuid = Uuid::from_u128(0x5d0c_7a4e_2b1f_4c8e_9a37_61f0_c4d2_aa01);
+pub(crate) const EVENT_ID_NAMESPACE: Uuid = Uuid::from_u128(0x5d0c_7a4e_2b1f_4c8e_9a37_61f0_c4d2_aa01);
 
 /// Errors of commands, each saying what the client should do. The gateway maps them to gRPC
 /// status codes in one place.
@@ -182,7 +182,7 @@ impl Engine {
         &self.log
     }
 
-    fn envelope(&self, event_id: String, occurred_at_ms: i64, payload: Payload) -> proto::Envelope {
+    pub(crate) fn envelope(&self, event_id: String, occurred_at_ms: i64, payload: Payload) -> proto::Envelope {
         proto::Envelope {
             event_id,
             occurred_at_ms,
@@ -218,7 +218,7 @@ impl Engine {
         }
     }
 
-    async fn append_and_decide(
+    pub(crate) async fn append_and_decide(
         &self,
         subject: String,
         envelope: &proto::Envelope,
@@ -228,7 +228,7 @@ impl Engine {
         Ok((outcome, verdict))
     }
 
-    fn require_agent(&self, field: &'static str, agent: &str) -> Result<(), CommandError> {
+    pub(crate) fn require_agent(&self, field: &'static str, agent: &str) -> Result<(), CommandError> {
         validate::id(field, agent)?;
         if self.projection.state().agents.contains_key(&agent.to_owned()) {
             Ok(())
@@ -605,6 +605,16 @@ impl Engine {
             Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn }) => {
                 Ok(ClaimOutcome { seq: outcome.seq(), wake: None, settled_without_turn })
             }
+            Verdict::Claim(ClaimVerdict::Claimed(claimed)) if claimed.item.memory.is_some() => {
+                // A memory pass shows no conversation: nothing to read from the log.
+                let text = render::render_wake_text(&request.agent_id, &claimed, &RowBody::default(), &[]);
+                let settled_without_turn = claimed.settled_without_turn.clone();
+                Ok(ClaimOutcome {
+                    seq: outcome.seq(),
+                    wake: Some(ClaimedWakeText { claimed: *claimed, text }),
+                    settled_without_turn,
+                })
+            }
             Verdict::Claim(ClaimVerdict::Claimed(claimed)) => {
                 let mut rows = claimed.rows.clone();
                 rows.push(claimed.item.trigger.clone());
@@ -779,7 +789,12 @@ impl Engine {
 }
 
 /// Runs [`Engine::recover_silent_wakes`] every `interval` until `shutdown`.
-pub async fn run_recovery_loop(engine: Engine, interval: Duration, shutdown: tokio_util::sync::CancellationToken) {
+pub async fn run_recovery_loop(
+    engine: Engine,
+    clock: Arc<dyn crate::clock::Clock>,
+    interval: Duration,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -787,10 +802,7 @@ pub async fn run_recovery_loop(engine: Engine, interval: Duration, shutdown: tok
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let now_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
-        if let Err(e) = engine.recover_silent_wakes(now_ns).await {
+        if let Err(e) = engine.recover_silent_wakes(clock.now_ns()).await {
             tracing::warn!(error = %e, "recovery loop");
         }
     }

@@ -9,10 +9,14 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use anima_projections::memory::MemoryConfig;
+
 use crate::checkpoint::CheckpointStore;
+use crate::clock::{Clock, SystemClock};
 use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
 use crate::log::EventLog;
+use crate::metrics::{AppendObserver, ObservedLog};
 use crate::projection::{Runner, RunnerConfig, RunnerError};
 use crate::{Engine, EngineConfig};
 
@@ -35,6 +39,16 @@ pub struct InstanceConfig {
     pub catch_up_wait: Duration,
     /// How often the recovery loop looks for running wakes whose heartbeat went silent.
     pub recovery_interval: Duration,
+    /// Told how long every append took (the gateway's metrics); none: appends are not timed.
+    pub append_observer: Option<Arc<dyn AppendObserver>>,
+    /// The `memoryCoherence` configuration to append when the log's differs; `None` leaves the
+    /// log's (or the defaults) in force.
+    pub memory: Option<MemoryConfig>,
+    /// How often the memory-pass scheduler ticks; `None`: this instance runs no scheduler.
+    pub memory_tick: Option<Duration>,
+    /// "Now" for the scheduler and the recovery loop (the embedded log has its own, in its
+    /// config). The wall clock unless a test injects another.
+    pub clock: Arc<dyn Clock>,
 }
 
 impl InstanceConfig {
@@ -46,6 +60,10 @@ impl InstanceConfig {
             engine: EngineConfig::default(),
             catch_up_wait: Duration::from_secs(3600),
             recovery_interval: Duration::from_secs(60),
+            append_observer: None,
+            memory: None,
+            memory_tick: Some(crate::memory::TICK_DEFAULT),
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -70,6 +88,8 @@ pub struct Instance {
     pub runner: tokio::task::JoinHandle<Result<(), RunnerError>>,
     /// The recovery loop; it ends with `shutdown`.
     pub recovery: tokio::task::JoinHandle<()>,
+    /// The memory-pass scheduler, when this instance runs one; it ends with `shutdown`.
+    pub scheduler: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Instance {
@@ -90,6 +110,10 @@ impl Instance {
                 "jetstream",
             ),
         };
+        let log: Arc<dyn EventLog> = match &config.append_observer {
+            Some(observer) => Arc::new(ObservedLog::new(log, observer.clone())),
+            None => log,
+        };
         let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
         let Runner { projection, task, .. } =
@@ -98,15 +122,35 @@ impl Instance {
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
         let engine = Engine::new(log, projection, config.engine);
-        let recovery =
-            tokio::spawn(crate::command::run_recovery_loop(engine.clone(), config.recovery_interval, shutdown.clone()));
-        Ok(Instance { engine, backend_name, shutdown, runner: task, recovery })
+        if let Some(memory) = &config.memory {
+            if engine.sync_memory_config(memory).await.map_err(|e| InstanceError::CatchUp(e.to_string()))? {
+                tracing::info!("memoryCoherence configuration appended to the log");
+            }
+        }
+        let recovery = tokio::spawn(crate::command::run_recovery_loop(
+            engine.clone(),
+            config.clock.clone(),
+            config.recovery_interval,
+            shutdown.clone(),
+        ));
+        let scheduler = config.memory_tick.map(|interval| {
+            tokio::spawn(crate::memory::run_memory_scheduler(
+                engine.clone(),
+                config.clock.clone(),
+                interval,
+                shutdown.clone(),
+            ))
+        });
+        Ok(Instance { engine, backend_name, shutdown, runner: task, recovery, scheduler })
     }
 
     /// Stops the runner, writing a last checkpoint.
     pub async fn stop(self) -> Result<(), InstanceError> {
         self.shutdown.cancel();
         let _ = self.recovery.await;
+        if let Some(scheduler) = self.scheduler {
+            let _ = scheduler.await;
+        }
         match self.runner.await {
             Ok(result) => Ok(result?),
             Err(e) => Err(InstanceError::CatchUp(format!("runner task: {e}"))),

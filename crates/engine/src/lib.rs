@@ -3,10 +3,13 @@
 //! wait for the fold's verdict.
 
 pub mod checkpoint;
+pub mod clock;
 pub mod command;
 pub mod digest;
 pub mod instance;
 pub mod log;
+pub mod memory;
+pub mod metrics;
 pub mod projection;
 pub mod replay;
 pub mod subject;

@@ -710,10 +710,44 @@ fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut 
             let agent = request.agent_id.as_str();
             match state.queue(agent).and_then(|q| q.active.as_ref()) {
                 None => facts.push(format!("{agent} has no claimed or running wake: the finish is refused")),
-                Some(active) => facts.push(format!(
-                    "{agent}'s active wake is {} by worker {}; the finish names {} by {}",
-                    active.item.id, active.worker, request.item_id, request.worker_id
+                Some(active) => {
+                    facts.push(format!(
+                        "{agent}'s active wake is {} by worker {}; the finish names {} by {}",
+                        active.item.id, active.worker, request.item_id, request.worker_id
+                    ));
+                    if active.item.memory.is_some() && !request.restart_drain {
+                        let changed = request.memory_digest_before != request.memory_digest_after;
+                        facts.push(format!(
+                            "a memory pass: the digests before and after {}",
+                            if changed { "differ (completed when the turn completed)" } else { "are equal (quiet_skipped when the turn completed)" }
+                        ));
+                    }
+                }
+            }
+        }
+        Some(Payload::MemoryPass(request)) => {
+            let agent = request.agent_id.as_str();
+            let plan = state.memory_plan(explanation.record.timestamp_ns);
+            let gate = state.memory_gate(agent);
+            facts.push(format!(
+                "{agent}'s gate: newest history at seq {}, newest outcome at seq {} ({})",
+                gate.newest_history_seq,
+                gate.newest_outcome_seq,
+                if gate.eligible() { "eligible" } else { "not eligible" }
+            ));
+            facts.push(format!(
+                "{} memory passes were queued or running; maxConcurrent was {}",
+                plan.open, plan.config.max_concurrent
+            ));
+            match plan.entries.iter().find(|e| e.agent == agent) {
+                Some(entry) => facts.push(format!(
+                    "at this log time the due pass was {} (slot {}): {} — {}",
+                    entry.due.as_ref().map_or("none", |d| d.pass_id.as_str()),
+                    entry.due_label,
+                    entry.status.as_str(),
+                    entry.why
                 )),
+                None => facts.push(format!("{agent} is neither registered nor in the scope")),
             }
         }
         Some(Payload::SlackMessage(message)) => {

@@ -1,7 +1,10 @@
 //! Access control: bearer tokens with roles, checked on every RPC by one tower layer before any
 //! service code runs. Tokens are compared by SHA-256 digest in constant time and never logged.
 //! The role × RPC matrix is [`allowed`]; runtime tokens are further scoped to agent ids, which
-//! each handler checks against the agent its request names ([`Principal::require_agent`]).
+//! each handler checks against the agent its request names ([`Principal::require_agent`]); and
+//! the few rules that depend on what a request carries, which the layer cannot see, are
+//! [`allowed_action`], checked by the handler that decodes the request ([`Principal::require`]).
+//! Every access rule lives in this file; handlers only ask.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -38,11 +41,41 @@ pub struct Principal {
     pub name: Arc<str>,
 }
 
+/// Something a request may carry that needs more than access to its RPC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// An agent registration through `Ingest.Append`/`AppendStream`: it changes configuration
+    /// that drives decisions (identities, hence routing and send holds), like the `[[agents]]`
+    /// the server appends at start-up, so only an admin may append one.
+    RegisterAgent,
+}
+
+/// The role × action matrix, beside the role × RPC matrix [`allowed`].
+pub fn allowed_action(role: Role, action: Action) -> bool {
+    match (role, action) {
+        (Role::Admin, _) => true,
+        (Role::Connector | Role::Runtime | Role::Replay | Role::Analytics, Action::RegisterAgent) => false,
+    }
+}
+
 impl Principal {
+    /// Refuses an action this principal's role may not take ([`allowed_action`]).
+    pub fn require(&self, action: Action) -> Result<(), Status> {
+        if allowed_action(self.role, action) {
+            return Ok(());
+        }
+        tracing::info!(token = %self.name, ?action, "permission denied");
+        Err(Status::permission_denied(match action {
+            Action::RegisterAgent => "registering agents needs an admin token",
+        }))
+    }
+
     /// Refuses acting for an agent the token is not scoped to.
+    /// Only runtime tokens are scoped; which RPCs a role reaches at all is [`allowed`]'s to say
+    /// (so replay tools, which may read any agent's memory-pass status, pass here).
     pub fn require_agent(&self, agent: &str) -> Result<(), Status> {
         match self.role {
-            Role::Admin | Role::Connector => Ok(()),
+            Role::Admin | Role::Connector | Role::Replay => Ok(()),
             Role::Runtime if self.agents.contains(agent) => Ok(()),
             _ => Err(Status::permission_denied(format!("this token may not act for agent {agent:?}"))),
         }
@@ -71,6 +104,10 @@ pub fn allowed(role: Role, path: &str) -> bool {
         (Role::Connector, "anima.v1.Ingest", _) => true,
         (Role::Connector, _, "/anima.v1.Sends/Confirm") => true,
         (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends" | "anima.v1.Subscriptions", _) => true,
+        // A runtime sees the memory-pass status of its own agents; the fleet-wide plan is for
+        // operators (replay, admin). Outcomes carry error prose: no analytics.
+        (Role::Runtime, _, "/anima.v1.Memory/Status") => true,
+        (Role::Replay, "anima.v1.Memory", _) => true,
         // Replay reads content (stored events): replay and admin only. Analytics is content-free,
         // so the replay role, trusted with more, may call it too.
         (Role::Replay, "anima.v1.Replay" | "anima.v1.Analytics", _) => true,

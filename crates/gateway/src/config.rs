@@ -9,6 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use anima_projections::memory::MemoryConfig;
+
 use crate::auth::Role;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -34,6 +36,20 @@ pub struct Config {
     pub agents: Vec<AgentConfig>,
     #[serde(default)]
     pub runner: RunnerSettings,
+    /// The memory pass (DESIGN §4.10). Appended to the log at start-up when it differs.
+    #[serde(default, rename = "memoryCoherence")]
+    pub memory_coherence: MemoryCoherenceSettings,
+    /// Prometheus metrics (`GET /metrics`) on their own HTTP listener; off when unset. The
+    /// metrics carry no content and no ids, so the listener has no auth: bind it where only the
+    /// scraper reaches it.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// PEM certificate chain for gRPC over TLS; set together with `tls_key`.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -68,6 +84,84 @@ pub struct AgentConfig {
     /// messages listing it among their mentions mention the agent.
     #[serde(default)]
     pub chat_user_id: String,
+}
+
+/// `[memoryCoherence]`, with the key names of the reference product.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MemoryCoherenceSettings {
+    /// Only an explicit `false` disables passes.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Local time `HH:MM` the window opens.
+    #[serde(default = "default_window_start")]
+    pub window_start: String,
+    /// 1..=1440.
+    #[serde(default = "default_window_minutes")]
+    pub window_duration_minutes: i64,
+    /// 1..=100 passes queued or running at once, fleet-wide.
+    #[serde(default = "default_max_concurrent")]
+    pub max_concurrent: i64,
+    /// IANA zone name; one zone for the whole deployment.
+    #[serde(default = "default_timezone")]
+    pub timezone: String,
+    /// Agents that get passes; empty: all.
+    #[serde(default)]
+    pub scope_agent_ids: Vec<String>,
+    /// A `MEMORY.md` larger than this gets the consolidation form of the pass's wake text.
+    #[serde(default = "default_consolidation_threshold_bytes")]
+    pub consolidation_threshold_bytes: u64,
+    /// Seconds between scheduler ticks; 0 runs no scheduler on this instance.
+    #[serde(default = "default_tick_seconds")]
+    pub tick_seconds: u64,
+}
+
+impl Default for MemoryCoherenceSettings {
+    fn default() -> Self {
+        toml::from_str("").expect("the empty memoryCoherence section is valid")
+    }
+}
+
+impl MemoryCoherenceSettings {
+    /// The checked configuration; the error names the key (`memoryCoherence.<key>: ...`).
+    pub fn to_config(&self) -> anyhow::Result<MemoryConfig> {
+        MemoryConfig::new(
+            self.enabled,
+            &self.window_start,
+            self.window_duration_minutes,
+            self.max_concurrent,
+            &self.timezone,
+            &self.scope_agent_ids,
+            self.consolidation_threshold_bytes,
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    pub fn tick(&self) -> Option<Duration> {
+        (self.tick_seconds > 0).then(|| Duration::from_secs(self.tick_seconds))
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_window_start() -> String {
+    anima_projections::memory_slot::WINDOW_START_DEFAULT.to_owned()
+}
+fn default_window_minutes() -> i64 {
+    i64::from(anima_projections::memory_slot::WINDOW_MINUTES_DEFAULT)
+}
+fn default_max_concurrent() -> i64 {
+    i64::from(anima_projections::memory::MAX_CONCURRENT_DEFAULT)
+}
+fn default_timezone() -> String {
+    anima_projections::memory_slot::TIMEZONE_DEFAULT.to_owned()
+}
+fn default_consolidation_threshold_bytes() -> u64 {
+    anima_projections::memory::CONSOLIDATION_THRESHOLD_BYTES_DEFAULT
+}
+fn default_tick_seconds() -> u64 {
+    anima_engine::memory::TICK_DEFAULT.as_secs()
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -129,6 +223,15 @@ impl Config {
 
     /// Checks what the file cannot express by its types. Errors name the key.
     pub fn validate(&self) -> anyhow::Result<()> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(_), None) => {
+                bail!("tls_key: missing; tls_cert is set, and TLS needs both (or neither, for plain text)")
+            }
+            (None, Some(_)) => {
+                bail!("tls_cert: missing; tls_key is set, and TLS needs both (or neither, for plain text)")
+            }
+            _ => {}
+        }
         if self.tokens.is_empty() && !self.listen.ip().is_loopback() {
             bail!(
                 "listen: {} is not a loopback address and no tokens are configured; add [[tokens]] or listen on 127.0.0.1",
@@ -171,10 +274,76 @@ impl Config {
         if self.runner.checkpoint_every_events == 0 {
             bail!("runner.checkpoint_every_events: must be at least 1");
         }
+        self.memory_coherence.to_config()?;
         Ok(())
+    }
+
+    /// The certificate and key files when TLS is configured (`validate` checked they come together).
+    pub fn tls_files(&self) -> Option<(&Path, &Path)> {
+        Some((self.tls_cert.as_deref()?, self.tls_key.as_deref()?))
     }
 
     pub fn checkpoint_interval(&self) -> Duration {
         Duration::from_millis(self.runner.checkpoint_interval_ms.max(10))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[track_caller]
+    fn check(toml_text: &str, expect: Result<(), &str>) {
+        let config: Config = toml::from_str(toml_text).expect("parses");
+        match (config.validate(), expect) {
+            (Ok(()), Ok(())) => {}
+            (Err(error), Err(start)) => assert!(error.to_string().starts_with(start), "{error}"),
+            (got, want) => panic!("validate gave {got:?}, expected {want:?}"),
+        }
+    }
+
+    const TOKEN: &str = "[[tokens]]\ntoken = \"admin-token-0123456789\"\nrole = \"admin\"\n";
+
+    #[test]
+    fn tls_needs_both_files_and_names_the_missing_one() {
+        check("tls_cert = \"cert.pem\"", Err("tls_key: missing"));
+        check("tls_key = \"key.pem\"", Err("tls_cert: missing"));
+        check("tls_cert = \"cert.pem\"\ntls_key = \"key.pem\"", Ok(()));
+    }
+
+    #[test]
+    fn tls_does_not_lift_the_loopback_rule_without_tokens() {
+        let tls = "tls_cert = \"cert.pem\"\ntls_key = \"key.pem\"\n";
+        check(&format!("listen = \"0.0.0.0:50051\"\n{tls}"), Err("listen: 0.0.0.0:50051 is not a loopback address"));
+        check(&format!("listen = \"0.0.0.0:50051\"\n{tls}{TOKEN}"), Ok(()));
+        check(&format!("listen = \"0.0.0.0:50051\"\n{TOKEN}"), Ok(()));
+        check(&format!("listen = \"[::1]:50051\"\n{tls}"), Ok(()));
+    }
+
+    #[test]
+    fn memory_coherence_values_are_checked_and_errors_name_the_key() {
+        check("[memoryCoherence]\nwindowStart = \"25:00\"", Err("memoryCoherence.windowStart:"));
+        check("[memoryCoherence]\nwindowDurationMinutes = 0", Err("memoryCoherence.windowDurationMinutes:"));
+        check("[memoryCoherence]\nwindowDurationMinutes = 1441", Err("memoryCoherence.windowDurationMinutes:"));
+        check("[memoryCoherence]\nmaxConcurrent = 0", Err("memoryCoherence.maxConcurrent:"));
+        check("[memoryCoherence]\nmaxConcurrent = 101", Err("memoryCoherence.maxConcurrent:"));
+        check("[memoryCoherence]\ntimezone = \"Mars/Olympus\"", Err("memoryCoherence.timezone:"));
+        check(
+            "[memoryCoherence]\nenabled = false\nwindowStart = \"23:30\"\nwindowDurationMinutes = 1440\n\
+             maxConcurrent = 100\ntimezone = \"Australia/Lord_Howe\"\nscopeAgentIds = [\"ada\"]",
+            Ok(()),
+        );
+    }
+
+    #[test]
+    fn memory_coherence_defaults_follow_the_design() {
+        let config = Config::default().memory_coherence.to_config().expect("defaults are valid");
+        assert!(config.enabled, "only an explicit false disables");
+        assert_eq!(config.settings.window_start_label(), "05:00");
+        assert_eq!(config.settings.window_minutes, 120);
+        assert_eq!(config.max_concurrent, 1);
+        assert_eq!(config.settings.timezone, "UTC");
+        assert!(config.scope_agent_ids.is_empty());
+        assert_eq!(config.consolidation_threshold_bytes, 20 * 1024);
     }
 }

@@ -4,6 +4,8 @@
 pub mod auth;
 pub mod config;
 pub mod digest_command;
+pub mod memory_services;
+pub mod metrics;
 pub mod replay_command;
 pub mod replay_services;
 pub mod server;

@@ -1,7 +1,8 @@
 //! `anima-wake`: the engine's binary.
 //!
 //! * `anima-wake serve` — run an engine instance: embedded log under `./data` and gRPC on
-//!   `127.0.0.1:50051` with no flags; `--nats URL` for JetStream.
+//!   `127.0.0.1:50051` with no flags; `--nats URL` for JetStream; `--tls-cert`/`--tls-key` for
+//!   gRPC over TLS; `--metrics-listen ADDR` for Prometheus metrics at `http://ADDR/metrics`.
 //! * `anima-wake replay ...` — read the log for incident debugging (timeline, state, explain,
 //!   export, verify), from a data dir, a JetStream stream, or a running server.
 //! * `anima-wake digest DIR` — the memory digest runtimes report before and after a memory pass.
@@ -52,6 +53,15 @@ struct ServeArgs {
     /// Replicas of a newly created JetStream stream. Default 1.
     #[arg(long, env = "ANIMA_REPLICAS")]
     replicas: Option<usize>,
+    /// Prometheus metrics listen address (HTTP, `GET /metrics`). Default: off.
+    #[arg(long, env = "ANIMA_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+    /// PEM certificate chain: serve gRPC over TLS (with --tls-key).
+    #[arg(long, env = "ANIMA_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "ANIMA_TLS_KEY")]
+    tls_key: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -88,8 +98,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(replicas) = args.replicas {
         config.replicas = replicas;
     }
+    if let Some(metrics_listen) = args.metrics_listen {
+        config.metrics_listen = Some(metrics_listen);
+    }
+    if let Some(tls_cert) = args.tls_cert {
+        config.tls_cert = Some(tls_cert);
+    }
+    if let Some(tls_key) = args.tls_key {
+        config.tls_key = Some(tls_key);
+    }
     let server = anima_gateway::server::start(config).await?;
-    // Machine-readable line for supervisors and tests that listen on port 0.
+    // Machine-readable lines for supervisors and tests that listen on port 0; metrics first, so
+    // whoever waits for the second line knows both.
+    if let Some(metrics_addr) = server.metrics_addr {
+        println!("anima-wake metrics on {metrics_addr}");
+    }
     println!("anima-wake listening on {}", server.local_addr);
     server.run_until(shutdown_signal()).await
 }

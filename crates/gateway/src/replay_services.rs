@@ -183,6 +183,10 @@ fn figures(figures: &Figures) -> api::AnalyticsFigures {
         dm_replies_threaded: figures.dm_replies_threaded,
         dm_replies_top_level: figures.dm_replies_top_level,
         notes_shown: figures.notes_shown,
+        memory_passes_queued: figures.memory_passes_queued,
+        memory_outcomes: reason_counts(&figures.memory_outcomes),
+        memory_delay_seconds_sum: figures.memory_delay_seconds_sum,
+        memory_delay_count: figures.memory_delay_count,
     }
 }
 

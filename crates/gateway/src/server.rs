@@ -1,9 +1,11 @@
 //! Starting and stopping one engine instance: open the log (embedded sled under the data dir, or
 //! JetStream), restore the projection from its checkpoint and catch up, append configured agents
-//! that differ from the log, then serve gRPC until shutdown. Shutdown stops accepting, ends
-//! streams, writes a last checkpoint, and returns.
+//! that differ from the log, then serve gRPC (over TLS when a certificate is configured) and, when
+//! configured, Prometheus metrics until shutdown. Shutdown stops accepting, ends streams, writes a
+//! last checkpoint, and returns.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anima_engine::instance::{Backend, Instance, InstanceConfig};
@@ -17,20 +19,30 @@ use tokio_util::sync::CancellationToken;
 use crate::api;
 use crate::auth::{Auth, AuthLayer};
 use crate::config::Config;
+use crate::memory_services::MemoryService;
+use crate::metrics::{Metrics, RefusalLayer};
 use crate::replay_services::ReplayServices;
 use crate::services::Services;
 
 /// How long shutdown waits for in-flight requests before closing connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// How long a client may take over its TLS handshake before the connection is dropped.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A running server.
 pub struct RunningServer {
     pub local_addr: SocketAddr,
+    /// Where `/metrics` is served, when `metrics_listen` is configured.
+    pub metrics_addr: Option<SocketAddr>,
     pub engine: Engine,
+    pub metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     serve: tokio::task::JoinHandle<anyhow::Result<()>>,
+    serve_metrics: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
     runner: tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>,
     recovery: tokio::task::JoinHandle<()>,
+    scheduler: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RunningServer {
@@ -38,7 +50,20 @@ impl RunningServer {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.shutdown.cancel();
         self.serve.await.context("server task")??;
+        if let Some(mut serve_metrics) = self.serve_metrics {
+            // A scraper holding its connection open must not hold up shutdown.
+            match tokio::time::timeout(SHUTDOWN_GRACE, &mut serve_metrics).await {
+                Ok(result) => result.context("metrics task")??,
+                Err(_) => {
+                    tracing::warn!("metrics connections still open after the grace period; closing them");
+                    serve_metrics.abort();
+                }
+            }
+        }
         self.recovery.await.context("recovery task")?;
+        if let Some(scheduler) = self.scheduler {
+            scheduler.await.context("memory-pass scheduler task")?;
+        }
         self.runner.await.context("runner task")??;
         Ok(())
     }
@@ -72,7 +97,30 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     };
     instance_config.engine =
         EngineConfig { verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms), ..EngineConfig::default() };
-    let Instance { engine, backend_name, shutdown, runner, recovery } = Instance::start(instance_config).await?;
+    let metrics = Arc::new(Metrics::new());
+    instance_config.append_observer = Some(metrics.clone());
+    instance_config.memory = Some(config.memory_coherence.to_config()?);
+    instance_config.memory_tick = config.memory_coherence.tick();
+    // Read and checked before the log is opened, so a bad certificate fails start-up at once.
+    let tls = match config.tls_files() {
+        Some((cert, key)) => {
+            let cert = std::fs::read(cert).with_context(|| format!("tls_cert: reading {}", cert.display()))?;
+            let key = std::fs::read(key).with_context(|| format!("tls_key: reading {}", key.display()))?;
+            let identity = tonic::transport::Identity::from_pem(cert, key);
+            Some(tonic::transport::ServerTlsConfig::new().identity(identity).timeout(TLS_HANDSHAKE_TIMEOUT))
+        }
+        None => None,
+    };
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).context("tls_cert, tls_key: not a usable PEM certificate chain and key")?;
+    }
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(crate::metrics::bind(addr).await?),
+        None => None,
+    };
+    let Instance { engine, backend_name, shutdown, runner, recovery, scheduler } =
+        Instance::start(instance_config).await?;
     let configured: Vec<events::AgentRegistered> = config
         .agents
         .iter()
@@ -98,14 +146,17 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     health.set_serving::<api::wakes_server::WakesServer<Services>>().await;
     health.set_serving::<api::sends_server::SendsServer<Services>>().await;
     health.set_serving::<api::subscriptions_server::SubscriptionsServer<Services>>().await;
+    health.set_serving::<api::memory_server::MemoryServer<MemoryService>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(api::DESCRIPTOR_SET)
         .build_v1()
         .context("building the reflection service")?;
-    let services = Services { engine: engine.clone(), shutdown: shutdown.clone() };
+    let services = Services { engine: engine.clone(), shutdown: shutdown.clone(), metrics: metrics.clone() };
     // One replayer (and its snapshots) for both services.
     let replay_services = ReplayServices::new(engine.clone(), shutdown.clone());
-    let router = tonic::transport::Server::builder()
+    // Outermost first: refusals are counted, auth refusals included.
+    let router = builder
+        .layer(RefusalLayer(metrics.clone()))
         .layer(AuthLayer(auth))
         .add_service(health_service)
         .add_service(reflection)
@@ -113,6 +164,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .add_service(api::wakes_server::WakesServer::new(services.clone()))
         .add_service(api::sends_server::SendsServer::new(services.clone()))
         .add_service(api::subscriptions_server::SubscriptionsServer::new(services))
+        .add_service(api::memory_server::MemoryServer::new(MemoryService::new(engine.clone())))
         .add_service(api::replay_server::ReplayServer::new(replay_services.clone()))
         .add_service(api::analytics_server::AnalyticsServer::new(replay_services));
     // TCP_NODELAY: without it small responses (a held notice) wait ~40 ms on Nagle's algorithm.
@@ -129,6 +181,26 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         }
         Ok(())
     });
-    tracing::info!(%local_addr, backend = backend_name, "serving");
-    Ok(RunningServer { local_addr, engine, shutdown, serve, runner, recovery })
+    let (metrics_addr, serve_metrics) = match metrics_listener {
+        Some(listener) => {
+            let addr = listener.local_addr()?;
+            let task = tokio::spawn(crate::metrics::serve(listener, metrics.clone(), engine.clone(), shutdown.clone()));
+            tracing::info!(%addr, "serving metrics");
+            (Some(addr), Some(task))
+        }
+        None => (None, None),
+    };
+    tracing::info!(%local_addr, backend = backend_name, tls = config.tls_files().is_some(), "serving");
+    Ok(RunningServer {
+        local_addr,
+        metrics_addr,
+        engine,
+        metrics,
+        shutdown,
+        serve,
+        serve_metrics,
+        runner,
+        recovery,
+        scheduler,
+    })
 }

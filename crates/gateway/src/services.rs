@@ -34,6 +34,8 @@ pub struct Services {
     pub engine: Engine,
     /// Cancelled on shutdown: long-lived streams end on it.
     pub shutdown: tokio_util::sync::CancellationToken,
+    /// Wakes and sends are counted here (`crate::metrics`); refusals by its layer.
+    pub metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
 fn outcome_message(outcome: IngestOutcome) -> api::AppendOutcome {
@@ -131,9 +133,7 @@ impl Services {
                 vec![linear_outcome_message(self.engine.ingest_linear(observation).await.map_err(status)?)]
             }
             Some(api::append_request::Observation::Agent(registration)) => {
-                if principal.role != crate::auth::Role::Admin {
-                    return Err(Status::permission_denied("registering agents needs an admin token"));
-                }
+                principal.require(crate::auth::Action::RegisterAgent)?;
                 let agent_id = registration.agent_id.clone();
                 let seq = self.engine.register_agent(registration).await.map_err(status)?;
                 vec![api::AppendOutcome { agent_id, seq, ..Default::default() }]
@@ -174,14 +174,17 @@ impl api::ingest_server::Ingest for Services {
                     let correlation_id = request.correlation_id.clone();
                     Ok(match services.append_one(&principal, request).await {
                         Ok(response) => response,
-                        Err(status) => api::AppendResponse {
-                            correlation_id,
-                            outcomes: Vec::new(),
-                            error: Some(api::ErrorDetail {
-                                code: status.code() as i32,
-                                message: status.message().to_owned(),
-                            }),
-                        },
+                        Err(status) => {
+                            services.metrics.refused("/anima.v1.Ingest/AppendStream", status.code());
+                            api::AppendResponse {
+                                correlation_id,
+                                outcomes: Vec::new(),
+                                error: Some(api::ErrorDetail {
+                                    code: status.code() as i32,
+                                    message: status.message().to_owned(),
+                                }),
+                            }
+                        }
                     })
                 }
             })
@@ -263,8 +266,10 @@ impl api::wakes_server::Wakes for Services {
             agent_id: request.agent_id.clone(),
             worker_id: request.worker_id,
             item_id: request.item_id,
+            memory_md_bytes: request.memory_md_bytes,
         };
         let outcome = self.engine.claim(claim, &request.request_id).await.map_err(status)?;
+        self.metrics.wake_claimed(&outcome);
         let wake = outcome.wake.map(|wake| {
             let claimed = wake.claimed;
             api::Wake {
@@ -282,7 +287,8 @@ impl api::wakes_server::Wakes for Services {
                     })
                     .collect(),
                 text: wake.text,
-                reply_to: Some(claimed.item.reply_to.to_target()),
+                // A memory pass answers nobody: no target.
+                reply_to: Some(claimed.item.reply_to.to_target()).filter(|t| t.target.is_some()),
                 prepared_at_seq: outcome.seq,
             }
         });
@@ -300,6 +306,7 @@ impl api::wakes_server::Wakes for Services {
             plan: request.plan,
         };
         let seq = self.engine.start(start, &request.request_id).await.map_err(status)?;
+        self.metrics.wake_started();
         Ok(Response::new(api::StartResponse { started_at_seq: seq }))
     }
 
@@ -307,6 +314,7 @@ impl api::wakes_server::Wakes for Services {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
+        let (outcome, restart_drain) = (request.outcome, request.restart_drain);
         let finish = events::WakeFinishRequested {
             agent_id: request.agent_id,
             worker_id: request.worker_id,
@@ -314,9 +322,15 @@ impl api::wakes_server::Wakes for Services {
             outcome: request.outcome,
             reason: request.reason,
             restart_drain: request.restart_drain,
+            memory_digest_before: request.memory_digest_before,
+            memory_digest_after: request.memory_digest_after,
         };
-        let (seq, _requeued) = self.engine.finish(finish, &request.request_id).await.map_err(status)?;
-        Ok(Response::new(api::FinishResponse { finished_at_seq: seq }))
+        let finished = self.engine.finish(finish, &request.request_id).await.map_err(status)?;
+        self.metrics.wake_finished(outcome, restart_drain);
+        Ok(Response::new(api::FinishResponse {
+            finished_at_seq: finished.seq,
+            memory_outcome: finished.memory_outcome.map(|o| o.outcome.as_str().to_owned()).unwrap_or_default(),
+        }))
     }
 }
 
@@ -333,6 +347,7 @@ impl api::sends_server::Sends for Services {
             draft_bytes: request.draft_bytes,
         };
         let decision = self.engine.send(send, &request.request_id).await.map_err(status)?;
+        self.metrics.send_decided(&decision.verdict);
         let verdict = match decision.verdict {
             SendVerdict::Allowed { .. } => api::send_response::Verdict::Allowed(api::SendAllowed {}),
             SendVerdict::Held(held) => api::send_response::Verdict::Held(api::SendHeld {

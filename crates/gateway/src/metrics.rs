@@ -1,0 +1,408 @@
+//! Prometheus metrics of one engine instance, served on their own HTTP listener
+//! (`metrics_listen`; off when unset) in the OpenMetrics text format at `GET /metrics`.
+//!
+//! What is measured, and where:
+//! * `anima_log_append_seconds{call}` — how long each append to the log took (histogram), from
+//!   the engine's [`AppendObserver`] hook around its log, so every append is timed in one place.
+//! * `anima_log_last_seq`, `anima_fold_applied_seq`, `anima_fold_lag_events` — the log's newest
+//!   sequence, the sequence the fold has applied, and the difference, read at scrape time.
+//! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
+//!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
+//!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
+//! * `anima_wakes_claimed_total`, `anima_wakes_settled_without_turn_total`,
+//!   `anima_wakes_started_total`, `anima_wakes_finished_total{outcome}` — wakes through the API.
+//! * `anima_sends_total{verdict}` — send requests the fold allowed or held.
+//!
+//! Every label has a bounded set of values: `rpc` is a method of a service this server knows
+//! (anything else is `unknown`), `code` a gRPC code, `outcome` and `verdict` fixed names. The
+//! metrics carry no content, no agent ids and no tokens, which is why the listener needs none.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use anima_engine::command::ClaimOutcome;
+use anima_engine::metrics::{AppendCall, AppendObserver};
+use anima_engine::Engine;
+use anima_projections::proto as events;
+use anima_projections::verdict::SendVerdict;
+use anyhow::Context as _;
+use futures::future::BoxFuture;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+use tonic::Code;
+
+/// The content type of the OpenMetrics text format `prometheus-client` writes.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// How long a scrape waits for the log's last sequence before leaving that gauge stale.
+const LAST_SEQ_WAIT: Duration = Duration::from_secs(2);
+
+/// Append latency buckets: 100 µs doubling to ~1.6 s (15 buckets), covering a sled group
+/// commit on a fast disk up to a JetStream publish that waits on a slow quorum.
+const APPEND_BUCKET_FIRST_SECONDS: f64 = 0.000_1;
+const APPEND_BUCKETS: u16 = 15;
+
+/// Methods that are not in the descriptor set but are served: health and reflection.
+const INFRASTRUCTURE_RPCS: [&str; 3] = [
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AppendLabels {
+    call: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusedLabels {
+    rpc: String,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VerdictLabels {
+    verdict: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// The registry and the handles recording into it. Recording is a few atomic operations; the
+/// registry is only read by a scrape.
+pub struct Metrics {
+    registry: Registry,
+    append_seconds: HistogramFamily<AppendLabels>,
+    log_last_seq: Gauge,
+    fold_applied_seq: Gauge,
+    fold_lag_events: Gauge,
+    refused: Family<RefusedLabels, Counter>,
+    wakes_claimed: Counter,
+    wakes_settled_without_turn: Counter,
+    wakes_started: Counter,
+    wakes_finished: Family<OutcomeLabels, Counter>,
+    sends: Family<VerdictLabels, Counter>,
+    /// The `/package.Service/Method` paths this server serves: the only values of `rpc`.
+    known_rpcs: BTreeSet<String>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn append_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(APPEND_BUCKET_FIRST_SECONDS, 2.0, APPEND_BUCKETS))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let append_seconds = HistogramFamily::<AppendLabels>::new_with_constructor(append_histogram as fn() -> _);
+        registry.register(
+            "anima_log_append_seconds",
+            "Time one append call to the log took, until stored (or refused)",
+            append_seconds.clone(),
+        );
+        let log_last_seq = Gauge::default();
+        registry.register("anima_log_last_seq", "The log's newest sequence, read at scrape time", log_last_seq.clone());
+        let fold_applied_seq = Gauge::default();
+        registry.register(
+            "anima_fold_applied_seq",
+            "The newest sequence the fold has applied",
+            fold_applied_seq.clone(),
+        );
+        let fold_lag_events = Gauge::default();
+        registry.register(
+            "anima_fold_lag_events",
+            "Events stored in the log that the fold has not applied yet",
+            fold_lag_events.clone(),
+        );
+        let refused = Family::<RefusedLabels, Counter>::default();
+        registry.register(
+            "anima_grpc_refused",
+            "gRPC calls answered with a status other than OK, by method and code",
+            refused.clone(),
+        );
+        let wakes_claimed = Counter::default();
+        registry.register("anima_wakes_claimed", "Wakes handed to a worker by Wakes.Claim", wakes_claimed.clone());
+        let wakes_settled_without_turn = Counter::default();
+        registry.register(
+            "anima_wakes_settled_without_turn",
+            "Queued wakes a claim settled without a turn (already covered)",
+            wakes_settled_without_turn.clone(),
+        );
+        let wakes_started = Counter::default();
+        registry.register("anima_wakes_started", "Wakes started by Wakes.Start", wakes_started.clone());
+        let wakes_finished = Family::<OutcomeLabels, Counter>::default();
+        registry.register("anima_wakes_finished", "Wakes finished by Wakes.Finish, by outcome", wakes_finished.clone());
+        let sends = Family::<VerdictLabels, Counter>::default();
+        registry.register("anima_sends", "Send requests decided by the fold, by verdict", sends.clone());
+        // Known label values start at zero, so the first hold or failure is a visible increase.
+        for verdict in ["allowed", "held"] {
+            let _ = sends.get_or_create(&VerdictLabels { verdict });
+        }
+        for outcome in ["completed", "failed", "aborted", "restart_drain"] {
+            let _ = wakes_finished.get_or_create(&OutcomeLabels { outcome });
+        }
+        Metrics {
+            registry,
+            append_seconds,
+            log_last_seq,
+            fold_applied_seq,
+            fold_lag_events,
+            refused,
+            wakes_claimed,
+            wakes_settled_without_turn,
+            wakes_started,
+            wakes_finished,
+            sends,
+            known_rpcs: known_rpcs(),
+        }
+    }
+
+    /// Counts a call answered with `code` (anything but OK).
+    pub fn refused(&self, path: &str, code: Code) {
+        if code == Code::Ok {
+            return;
+        }
+        let rpc = if self.known_rpcs.contains(path) { path.to_owned() } else { "unknown".to_owned() };
+        self.refused.get_or_create(&RefusedLabels { rpc, code: code_name(code) }).inc();
+    }
+
+    /// Counts what one `Wakes.Claim` did.
+    pub fn wake_claimed(&self, outcome: &ClaimOutcome) {
+        if outcome.wake.is_some() {
+            self.wakes_claimed.inc();
+        }
+        self.wakes_settled_without_turn.inc_by(outcome.settled_without_turn.len() as u64);
+    }
+
+    pub fn wake_started(&self) {
+        self.wakes_started.inc();
+    }
+
+    /// Counts a finished wake by its `WakeOutcome`; a restart drain is counted apart from an abort.
+    pub fn wake_finished(&self, outcome: i32, restart_drain: bool) {
+        let outcome = match events::WakeOutcome::try_from(outcome) {
+            Ok(events::WakeOutcome::Aborted) if restart_drain => "restart_drain",
+            Ok(events::WakeOutcome::Completed) => "completed",
+            Ok(events::WakeOutcome::Failed) => "failed",
+            Ok(events::WakeOutcome::Aborted) => "aborted",
+            Ok(events::WakeOutcome::Unspecified) | Err(_) => "unspecified",
+        };
+        self.wakes_finished.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    /// Counts a send the fold decided.
+    pub fn send_decided(&self, verdict: &SendVerdict) {
+        let verdict = match verdict {
+            SendVerdict::Allowed { .. } => "allowed",
+            SendVerdict::Held(_) => "held",
+        };
+        self.sends.get_or_create(&VerdictLabels { verdict }).inc();
+    }
+
+    /// Reads the fold's position and the log's, then writes the whole registry.
+    pub async fn render(&self, engine: &Engine) -> String {
+        match tokio::time::timeout(LAST_SEQ_WAIT, engine.log().last_seq()).await {
+            Ok(Ok(last)) => {
+                let applied = engine.projection().applied_seq();
+                self.log_last_seq.set(gauge_value(last));
+                self.fold_applied_seq.set(gauge_value(applied));
+                self.fold_lag_events.set(gauge_value(last.saturating_sub(applied)));
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "metrics: reading the log's last sequence");
+                self.fold_applied_seq.set(gauge_value(engine.projection().applied_seq()));
+            }
+            Err(_) => {
+                tracing::warn!(wait = ?LAST_SEQ_WAIT, "metrics: the log's last sequence did not come in time");
+                self.fold_applied_seq.set(gauge_value(engine.projection().applied_seq()));
+            }
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("writing to a String cannot fail");
+        text
+    }
+}
+
+impl AppendObserver for Metrics {
+    fn appended(&self, call: AppendCall, _records: usize, elapsed: Duration, _ok: bool) {
+        self.append_seconds.get_or_create(&AppendLabels { call: call.as_str() }).observe(elapsed.as_secs_f64());
+    }
+}
+
+fn gauge_value(seq: u64) -> i64 {
+    i64::try_from(seq).unwrap_or(i64::MAX)
+}
+
+/// The paths of every method in the served descriptor set, plus health and reflection.
+fn known_rpcs() -> BTreeSet<String> {
+    let mut rpcs: BTreeSet<String> = INFRASTRUCTURE_RPCS.iter().map(|p| (*p).to_owned()).collect();
+    match prost_reflect::DescriptorPool::decode(crate::api::DESCRIPTOR_SET) {
+        Ok(pool) => {
+            for service in pool.services() {
+                for method in service.methods() {
+                    rpcs.insert(format!("/{}/{}", service.full_name(), method.name()));
+                }
+            }
+        }
+        // Built into the binary, so this is a build bug; every rpc label is then `unknown`.
+        Err(error) => tracing::error!(%error, "metrics: decoding the API descriptors"),
+    }
+    rpcs
+}
+
+/// The gRPC code as the lower-case name of its enum constant (`permission_denied`).
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "ok",
+        Code::Cancelled => "cancelled",
+        Code::Unknown => "unknown",
+        Code::InvalidArgument => "invalid_argument",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Aborted => "aborted",
+        Code::OutOfRange => "out_of_range",
+        Code::Unimplemented => "unimplemented",
+        Code::Internal => "internal",
+        Code::Unavailable => "unavailable",
+        Code::DataLoss => "data_loss",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    engine: Engine,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let metrics = metrics.clone();
+            let engine = engine.clone();
+            async move { ([(http::header::CONTENT_TYPE, CONTENT_TYPE)], metrics.render(&engine).await) }
+        }),
+    );
+    axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await.context("metrics listener")
+}
+
+/// Binds the metrics listener, so a bad address fails start-up rather than a background task.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await.with_context(|| format!("metrics_listen: binding {addr}"))
+}
+
+/// The tower layer that counts every call answered with a status other than OK. It sits outside
+/// the auth layer, so refused tokens are counted too. It reads the status a response starts with
+/// (unary errors and streams refused before their first message); a stream that fails later
+/// carries its status in trailers and is not counted.
+#[derive(Clone)]
+pub struct RefusalLayer(pub Arc<Metrics>);
+
+impl<S> tower::Layer<S> for RefusalLayer {
+    type Service = RefusalService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        RefusalService { inner, metrics: self.0.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct RefusalService<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for RefusalService<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+        let path = request.uri().path().to_owned();
+        let metrics = self.metrics.clone();
+        // Take the service that was driven to readiness; leave a clone in its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(async move {
+            let response = inner.call(request).await?;
+            if let Some(code) = response.headers().get("grpc-status").map(|v| Code::from_bytes(v.as_bytes())) {
+                metrics.refused(&path, code);
+            }
+            Ok(response)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rpc_labels_are_the_served_methods_only() {
+        let metrics = Metrics::new();
+        metrics.refused("/anima.v1.Sends/Send", Code::PermissionDenied);
+        metrics.refused("/anima.v1.Sends/Send", Code::PermissionDenied);
+        metrics.refused("/attacker.Chosen/Path", Code::Unimplemented);
+        metrics.refused("/anima.v1.Sends/Send", Code::Ok);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).unwrap();
+        assert!(
+            text.contains(r#"anima_grpc_refused_total{rpc="/anima.v1.Sends/Send",code="permission_denied"} 2"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"anima_grpc_refused_total{rpc="unknown",code="unimplemented"} 1"#), "{text}");
+        assert!(!text.contains("attacker"), "{text}");
+        assert!(!text.contains(r#"code="ok""#), "{text}");
+        assert!(metrics.known_rpcs.contains("/anima.v1.Replay/Read"), "{:?}", metrics.known_rpcs);
+    }
+
+    #[test]
+    fn append_latency_is_a_histogram_per_call() {
+        let metrics = Metrics::new();
+        metrics.appended(AppendCall::One, 1, Duration::from_micros(150), true);
+        metrics.appended(AppendCall::Batch, 3, Duration::from_millis(3), true);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).unwrap();
+        assert!(text.contains("# TYPE anima_log_append_seconds histogram"), "{text}");
+        assert!(text.contains(r#"anima_log_append_seconds_count{call="append"} 1"#), "{text}");
+        assert!(text.contains(r#"anima_log_append_seconds_bucket{le="0.0002",call="append"} 1"#), "{text}");
+        assert!(text.contains(r#"anima_log_append_seconds_count{call="append_batch"} 1"#), "{text}");
+    }
+}
