@@ -62,7 +62,8 @@ impl InstanceConfig {
             recovery_interval: Duration::from_secs(60),
             append_observer: None,
             memory: None,
-            memory_tick: Some(crate::memory::TICK_DEFAULT),
+            // Off unless asked for: the gateway turns it on from its configuration.
+            memory_tick: None,
             clock: Arc::new(SystemClock),
         }
     }
