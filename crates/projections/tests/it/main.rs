@@ -13,6 +13,7 @@ mod events;
 mod journal;
 mod linear;
 mod log;
+mod memory;
 mod redact;
 mod routing;
 mod schema;
