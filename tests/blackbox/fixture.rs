@@ -208,6 +208,12 @@ impl Server {
     /// Stops the process gracefully (SIGTERM: last checkpoint) and starts it again on the same
     /// data dir and log.
     pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    /// Stops the process gracefully (SIGTERM: last checkpoint), waiting up to 30 s for it.
+    pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -217,7 +223,26 @@ impl Server {
             let _ = child.kill();
             let _ = child.wait();
         }
-        self.spawn();
+    }
+
+    /// The NATS URL of a JetStream server.
+    pub fn nats_url(&self) -> Option<&str> {
+        self.nats_url.as_deref()
+    }
+
+    /// The server's data dir (its embedded log, if used, and its checkpoints).
+    pub fn data_dir(&self) -> PathBuf {
+        self.data.path().join("data")
+    }
+
+    /// `anima-wake` with `args`, run to completion: (success, stdout, stderr).
+    pub fn run_tool(args: &[&str]) -> (bool, String, String) {
+        let output = Command::new(binary()).args(args).env("ANIMA_LOG", "warn").output().expect("run anima-wake");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
     }
 
     /// A connection to the gRPC port: over TLS, trusting the test CA, when the server has a

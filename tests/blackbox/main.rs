@@ -9,6 +9,7 @@ mod linear;
 mod memory;
 mod metrics;
 mod race;
+mod replay_tool;
 mod send_hold;
 mod tls;
 mod wakes;
