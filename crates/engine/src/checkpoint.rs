@@ -19,6 +19,9 @@ pub enum CheckpointError {
     Sled(#[from] sled::Error),
     #[error("checkpoint task failed: {0}")]
     Task(String),
+    /// A stored entry does not decode: the checkpoint is unusable (the runner rebuilds).
+    #[error(transparent)]
+    Decode(#[from] anima_projections::state::CheckpointDecodeError),
 }
 
 /// A sled tree holding one projection checkpoint.
@@ -102,7 +105,7 @@ impl CheckpointStore {
         match self.tree.get([STATE_PREFIX, 0])? {
             Some(value) => {
                 let mut state = State::new();
-                let _ = state.load_entry(&[0], &value);
+                state.load_entry(&[0], &value)?;
                 Ok(state.meta.applied_seq)
             }
             None => Ok(0),
