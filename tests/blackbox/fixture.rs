@@ -408,3 +408,36 @@ pub fn send_request(agent: &str, target: api::ReplyTarget) -> api::SendRequest {
         request_id: String::new(),
     }
 }
+
+/// Claims the agent's oldest claimable wake (reporting `memory_md_bytes` for a memory pass) and
+/// starts it with the plan the claim gave.
+pub async fn claim_and_start(
+    wakes: &mut api::wakes_client::WakesClient<Authed>,
+    agent: &str,
+    worker: &str,
+    memory_md_bytes: u64,
+) -> api::Wake {
+    let wake = wakes
+        .claim(api::ClaimRequest {
+            agent_id: agent.into(),
+            worker_id: worker.into(),
+            memory_md_bytes,
+            ..Default::default()
+        })
+        .await
+        .expect("claim")
+        .into_inner()
+        .wake
+        .expect("a wake to claim");
+    wakes
+        .start(api::StartRequest {
+            agent_id: agent.into(),
+            worker_id: worker.into(),
+            item_id: wake.item_id.clone(),
+            plan: wake.plan.clone(),
+            request_id: String::new(),
+        })
+        .await
+        .expect("start");
+    wake
+}

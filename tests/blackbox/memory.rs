@@ -22,32 +22,6 @@ fn plan_entry<'a>(plan: &'a api::MemoryPlanResponse, agent: &str) -> &'a api::Me
     plan.entries.iter().find(|e| e.agent_id == agent).expect("agent in plan")
 }
 
-async fn finish_current(wakes: &mut api::wakes_client::WakesClient<Authed>, md_bytes: u64) -> api::Wake {
-    let wake = wakes
-        .claim(api::ClaimRequest {
-            agent_id: "ada".into(),
-            worker_id: "w1".into(),
-            memory_md_bytes: md_bytes,
-            ..Default::default()
-        })
-        .await
-        .expect("claim")
-        .into_inner()
-        .wake
-        .expect("a wake");
-    wakes
-        .start(api::StartRequest {
-            agent_id: "ada".into(),
-            worker_id: "w1".into(),
-            item_id: wake.item_id.clone(),
-            plan: wake.plan.clone(),
-            request_id: String::new(),
-        })
-        .await
-        .expect("start");
-    wake
-}
-
 async fn scenario(backend: Backend) {
     let options = ServerOptions { memory_coherence: Some(MEMORY.into()), ..ServerOptions::default() };
     let server = Server::start_on(backend, options);
@@ -64,7 +38,7 @@ async fn scenario(backend: Backend) {
 
     // A DM gives ada history; its wake runs first.
     ingest.append(slack_message(&["ada"], "D1", "1700000001.000100", "", "U1", "hello")).await.expect("append");
-    let dm = finish_current(&mut wakes, 0).await;
+    let dm = claim_and_start(&mut wakes, "ada", "w1", 0).await;
     assert_eq!(dm.reason, "dm");
     wakes
         .finish(api::FinishRequest {
@@ -90,7 +64,7 @@ async fn scenario(backend: Backend) {
     }
 
     // Claimed like any wake; a large MEMORY.md gets the consolidation form; no reply target.
-    let pass = finish_current(&mut wakes, 30_000).await;
+    let pass = claim_and_start(&mut wakes, "ada", "w1", 30_000).await;
     assert_eq!(pass.reason, "memory");
     assert!(pass.reply_to.is_none(), "{pass:?}");
     assert!(pass.text.contains("form: consolidation"), "{}", pass.text);

@@ -17,23 +17,7 @@ async fn incident(server: &Server) -> u64 {
         .append(slack_message(&["ada"], "D1", "1700000001.000100", "", "U1", "can you check the deploy?"))
         .await
         .expect("dm");
-    let wake = wakes
-        .claim(api::ClaimRequest { agent_id: "ada".into(), worker_id: "w1".into(), ..Default::default() })
-        .await
-        .expect("claim")
-        .into_inner()
-        .wake
-        .expect("a wake");
-    wakes
-        .start(api::StartRequest {
-            agent_id: "ada".into(),
-            worker_id: "w1".into(),
-            item_id: wake.item_id,
-            plan: wake.plan,
-            request_id: String::new(),
-        })
-        .await
-        .expect("start");
+    claim_and_start(&mut wakes, "ada", "w1", 0).await;
     ingest.append(slack_message(&["ada"], "D1", "1700000002.000100", "", "U1", "it is red now")).await.expect("dm");
     let held = sends.send(send_request("ada", slack_target("D1", ""))).await.expect("send").into_inner();
     assert!(matches!(held.verdict, Some(api::send_response::Verdict::Held(_))), "{held:?}");

@@ -15,27 +15,6 @@ fn held(response: &api::SendResponse) -> Option<&api::SendHeld> {
     }
 }
 
-async fn claim_and_start(wakes: &mut api::wakes_client::WakesClient<Authed>, worker: &str) -> api::Wake {
-    let wake = wakes
-        .claim(api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() })
-        .await
-        .expect("claim")
-        .into_inner()
-        .wake
-        .expect("a wake to claim");
-    wakes
-        .start(api::StartRequest {
-            agent_id: "ada".into(),
-            worker_id: worker.into(),
-            item_id: wake.item_id.clone(),
-            plan: wake.plan.clone(),
-            request_id: String::new(),
-        })
-        .await
-        .expect("start");
-    wake
-}
-
 async fn scenario(backend: Backend) {
     let server = Server::start(backend);
     let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
@@ -59,7 +38,7 @@ async fn scenario(backend: Backend) {
         .expect("ok");
     assert!(signal.claimable && signal.queued == 1, "{signal:?}");
 
-    let wake = claim_and_start(&mut wakes, "w1").await;
+    let wake = claim_and_start(&mut wakes, "ada", "w1", 0).await;
     assert_eq!(wake.reason, "channel_follow");
     assert!(wake.text.contains("=== conversation update ===") && wake.text.contains("=== latest wake ==="));
     assert!(wake.text.contains("> who can review the release notes?"), "{}", wake.text);
@@ -113,7 +92,7 @@ async fn scenario(backend: Backend) {
         })
         .await
         .expect("finish");
-    let resumed = claim_and_start(&mut wakes, "w2").await;
+    let resumed = claim_and_start(&mut wakes, "ada", "w2", 0).await;
     assert_eq!(resumed.item_id, wake.item_id);
     assert!(resumed.text.contains("A runtime restart interrupted your previous turn"), "{}", resumed.text);
     assert!(resumed.text.contains("> during the outage"), "{}", resumed.text);

@@ -46,3 +46,21 @@ impl Clock for ManualClock {
         self.now_ns.load(Ordering::SeqCst)
     }
 }
+
+/// Runs `tick` at once and then every `interval` (a slow tick delays the next one rather than
+/// bunching them) until `shutdown`; a tick in progress finishes first.
+pub async fn every<F, Fut>(interval: std::time::Duration, shutdown: &tokio_util::sync::CancellationToken, mut tick: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut timer = tokio::time::interval(interval);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = timer.tick() => {}
+        }
+        tick().await;
+    }
+}

@@ -795,17 +795,12 @@ pub async fn run_recovery_loop(
     interval: Duration,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    crate::clock::every(interval, &shutdown, || async {
         if let Err(e) = engine.recover_silent_wakes(clock.now_ns()).await {
             tracing::warn!(error = %e, "recovery loop");
         }
-    }
+    })
+    .await;
 }
 
 /// The log subject of a surface.

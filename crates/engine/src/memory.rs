@@ -111,15 +111,10 @@ pub async fn run_memory_scheduler(
     interval: Duration,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    crate::clock::every(interval, &shutdown, || async {
         if let Err(e) = engine.memory_tick(clock.now_ns()).await {
             tracing::warn!(error = %e, "memory-pass scheduler");
         }
-    }
+    })
+    .await;
 }
