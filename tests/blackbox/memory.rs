@@ -94,6 +94,15 @@ async fn scenario(backend: Backend) {
     assert!(after.next_slot_at_ms > last.slot_at_ms, "the next slot is tomorrow's: {after:?}");
     let plan = operator.plan(api::MemoryPlanRequest::default()).await.expect("plan").into_inner();
     assert_eq!(plan_entry(&plan, "ada").status, "already_done", "{plan:?}");
+    // Replay shows the gate as of now: the outcome closed it.
+    let mut replay = api::replay_client::ReplayClient::with_interceptor(server.channel().await, bearer(REPLAY_TOKEN));
+    let state = replay
+        .state_at(api::ReplayStateAtRequest { agent_id: "ada".into(), ..Default::default() })
+        .await
+        .expect("state")
+        .into_inner();
+    let gate = state.agent.expect("agent").memory_gate;
+    assert!(gate.contains("(not eligible)") && gate.contains(&format!("{} quiet_skipped", pass.item_id)), "{gate}");
 
     // Runtime tokens: own agents' status only; no fleet plan.
     let mut bob_memory = server.memory(BOB_RUNTIME_TOKEN).await;
