@@ -295,6 +295,7 @@ impl Engine {
         validate::slack_text("text", &message.text)?;
         validate::bounded("user_name", &message.user_name, validate::USER_NAME_BYTES_MAX)?;
         validate::files("files", &message.files)?;
+        validate::previews("previews", &message.previews)?;
 
         let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);

@@ -125,6 +125,28 @@ pub fn files(field: &'static str, files: &[anima_projections::proto::SlackFile])
     Ok(())
 }
 
+/// Link previews per message.
+pub const PREVIEWS_PER_MESSAGE_MAX: usize = 10;
+/// Bytes of a preview's URL, title and text.
+pub const PREVIEW_URL_BYTES_MAX: usize = 2_048;
+pub const PREVIEW_TITLE_BYTES_MAX: usize = 1_024;
+pub const PREVIEW_TEXT_BYTES_MAX: usize = 16_000;
+
+pub fn previews(field: &'static str, previews: &[anima_projections::proto::LinkPreview]) -> Result<(), CommandError> {
+    if previews.len() > PREVIEWS_PER_MESSAGE_MAX {
+        return Err(CommandError::TooLarge {
+            field,
+            reason: format!("{} link previews; at most {PREVIEWS_PER_MESSAGE_MAX}", previews.len()),
+        });
+    }
+    for preview in previews {
+        bounded(field, &preview.url, PREVIEW_URL_BYTES_MAX)?;
+        bounded(field, &preview.title, PREVIEW_TITLE_BYTES_MAX)?;
+        bounded(field, &preview.text, PREVIEW_TEXT_BYTES_MAX)?;
+    }
+    Ok(())
+}
+
 /// A Linear agent session id: a UUID in its hyphenated form (the canonical surface key).
 pub fn linear_session_id(field: &'static str, value: &str) -> Result<(), CommandError> {
     match uuid::Uuid::parse_str(value) {

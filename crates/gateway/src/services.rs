@@ -89,6 +89,7 @@ impl Services {
                         text: message.text,
                         files: message.files,
                         user_name: message.user_name,
+                        previews: message.previews,
                     },
                     occurred_at_ms: message.occurred_at_ms,
                 };

@@ -158,7 +158,12 @@ impl State {
         }
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
         let body =
-            RowBody { text: message.text.clone(), user_name: message.user_name.clone(), files: message.files.clone() };
+            RowBody {
+                text: message.text.clone(),
+                user_name: message.user_name.clone(),
+                files: message.files.clone(),
+                previews: message.previews.clone(),
+            };
         let owner = self.slack_owner(&message.user_id, &message.bot_id);
         let existing = self.identities.get(&(surface.clone(), message.ts.clone())).copied();
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
@@ -183,7 +188,7 @@ impl State {
                 text: &message.text,
             };
             let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
-            (route, wake) = self.route_and_queue(at, &agent, &observed, identity);
+            (route, wake) = self.route_and_queue(at, &agent, &observed, &body, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -226,11 +231,8 @@ impl State {
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
-                let body = RowBody {
-                    text: confirmation.text.clone(),
-                    user_name: String::new(),
-                    files: confirmation.files.clone(),
-                };
+                let body =
+                    RowBody { text: confirmation.text.clone(), files: confirmation.files.clone(), ..RowBody::default() };
                 let ordinal = self.journal_tail(&surface) + 1;
                 let row =
                     row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), &body);
@@ -289,6 +291,7 @@ impl State {
             text: message.text.clone(),
             user_name: message.sender_name.clone(),
             files: message.files.clone(),
+            previews: Vec::new(),
         };
         let owner = self.chat_identities.get(&message.sender_id).cloned();
         let existing = self.identities.get(&(surface.clone(), message.message_id.clone())).copied();
@@ -314,7 +317,7 @@ impl State {
                 text: &message.text,
             };
             let identity = chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id);
-            (route, wake) = self.route_and_queue(at, &agent, &observed, identity);
+            (route, wake) = self.route_and_queue(at, &agent, &observed, &body, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -333,6 +336,7 @@ impl State {
         at: LogPosition,
         agent: &str,
         observed: &Observed<'_>,
+        body: &RowBody,
         identity: String,
     ) -> (Option<Route>, Option<crate::wake::WakeReason>) {
         let routed = self.route(agent, observed);
@@ -350,6 +354,7 @@ impl State {
             note: None,
             linear: None,
             memory: None,
+            extras: crate::render::ExtrasSizes::of(body),
         };
         (Some(routed.route), self.queue_wake(at, agent, item))
     }

@@ -58,6 +58,8 @@ pub struct RowBody {
     pub text: String,
     pub user_name: String,
     pub files: Vec<proto::SlackFile>,
+    /// Link previews (Slack unfurls); shown for the trigger of a wake only, as an extra.
+    pub previews: Vec<proto::LinkPreview>,
 }
 
 impl RowBody {
@@ -66,18 +68,32 @@ impl RowBody {
         use proto::envelope::Payload;
         match envelope.payload.as_ref()? {
             Payload::SlackMessage(m) => {
-                Some(RowBody { text: m.text.clone(), user_name: m.user_name.clone(), files: m.files.clone() })
+                Some(RowBody {
+                    text: m.text.clone(),
+                    user_name: m.user_name.clone(),
+                    files: m.files.clone(),
+                    previews: m.previews.clone(),
+                })
             }
             Payload::ChatMessage(m) => {
-                Some(RowBody { text: m.text.clone(), user_name: m.sender_name.clone(), files: m.files.clone() })
+                Some(RowBody {
+                    text: m.text.clone(),
+                    user_name: m.sender_name.clone(),
+                    files: m.files.clone(),
+                    previews: Vec::new(),
+                })
             }
             // The prompt is the body of a Linear wake's trigger; the issue title stands where a
             // sender's name would.
             Payload::LinearSession(e) => {
-                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), files: Vec::new() })
+                Some(RowBody {
+                    text: e.prompt_text.clone(),
+                    user_name: e.issue_title.clone(),
+                    ..RowBody::default()
+                })
             }
             Payload::SendConfirmed(c) => {
-                Some(RowBody { text: c.text.clone(), user_name: String::new(), files: c.files.clone() })
+                Some(RowBody { text: c.text.clone(), files: c.files.clone(), ..RowBody::default() })
             }
             _ => None,
         }

@@ -107,7 +107,8 @@ impl State {
                 self.linear_receipts.remove(&oldest);
             }
         }
-        let body = RowBody { text: event.prompt_text.clone(), user_name: event.issue_title.clone(), files: Vec::new() };
+        let body =
+            RowBody { text: event.prompt_text.clone(), user_name: event.issue_title.clone(), ..RowBody::default() };
         let item = WakeItem {
             id: receipt.clone(),
             reason: WakeReason::Linear,
@@ -126,6 +127,7 @@ impl State {
                 issue_url: event.issue_url.clone(),
             }),
             memory: None,
+            extras: crate::render::ExtrasSizes::default(),
         };
         let wake = self.queue_wake(at, &agent, item);
         Verdict::LinearSession(LinearSessionVerdict {

@@ -388,6 +388,7 @@ impl State {
             resume_after_restart: false,
             note: None,
             linear: None,
+            extras: crate::render::ExtrasSizes::default(),
             memory: Some(MemoryWake {
                 window_day: window_day.clone(),
                 slot_at_ns: due.slot_at_ns,

@@ -10,6 +10,8 @@
 //! ingest (through a counting sink, without allocating), so the text rendered later from bodies
 //! has exactly the size the decision assumed.
 
+use serde::{Deserialize, Serialize};
+
 use crate::journal::{RowBody, RowMeta};
 use crate::surface::SurfaceId;
 use crate::time::format_utc;
@@ -146,16 +148,155 @@ pub fn put_fenced_text(out: &mut impl Sink, text: &str) {
 
 /// Writes the fenced body of a row: its text, then one line per file.
 pub fn put_body(out: &mut impl Sink, body: &RowBody) {
+    put_text(out, body);
+    put_files(out, &body.files);
+}
+
+/// The fenced text of a body, if it has any.
+fn put_text(out: &mut impl Sink, body: &RowBody) {
     if !body.text.trim().is_empty() {
         put_fenced_text(out, &body.text);
     }
-    for file in body.files.iter().take(FILES_SHOWN_MAX) {
+}
+
+/// One fenced line per file (the first [`FILES_SHOWN_MAX`]), then how many more.
+fn put_files(out: &mut impl Sink, files: &[crate::proto::SlackFile]) {
+    for file in files.iter().take(FILES_SHOWN_MAX) {
         out.put("> [file: ");
         put_inline_clipped(out, &file.name, FILE_NAME_SHOWN_BYTES_MAX);
         out.put(&format!(", {} bytes]\n", file.size_bytes));
     }
-    if body.files.len() > FILES_SHOWN_MAX {
-        out.put(&format!("> [{} more files not listed]\n", body.files.len() - FILES_SHOWN_MAX));
+    if files.len() > FILES_SHOWN_MAX {
+        out.put(&format!("> [{} more files not listed]\n", files.len() - FILES_SHOWN_MAX));
+    }
+}
+
+/// Link previews shown for a wake's trigger.
+pub const PREVIEWS_SHOWN_MAX: usize = 5;
+/// Bytes of a preview's text shown in the full form (the halved form shows half).
+pub const PREVIEW_TEXT_SHOWN_BYTES_MAX: usize = 2_000;
+/// Bytes of a preview's URL and of its title shown.
+pub const PREVIEW_FIELD_SHOWN_BYTES_MAX: usize = 300;
+
+/// How much of the trigger's link previews a wake text shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PreviewForm {
+    Full,
+    Halved,
+    Dropped,
+}
+
+/// The extras of a wake's trigger as rendered, measured when the wake is queued (the fold keeps
+/// sizes, never content).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtrasSizes {
+    pub previews_full: u32,
+    pub previews_halved: u32,
+    pub files: u32,
+}
+
+impl ExtrasSizes {
+    pub fn of(body: &RowBody) -> ExtrasSizes {
+        let measure = |put: &dyn Fn(&mut ByteCount)| {
+            let mut count = ByteCount::default();
+            put(&mut count);
+            u32::try_from(count.0).unwrap_or(u32::MAX)
+        };
+        ExtrasSizes {
+            previews_full: measure(&|c| put_previews(c, &body.previews, PreviewForm::Full)),
+            previews_halved: measure(&|c| put_previews(c, &body.previews, PreviewForm::Halved)),
+            files: measure(&|c| put_files(c, &body.files)),
+        }
+    }
+}
+
+/// Which extras of the trigger a wake text shows (DESIGN §4.6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extras {
+    pub note: bool,
+    pub previews: PreviewForm,
+    pub files: bool,
+}
+
+impl Extras {
+    pub const ALL: Extras = Extras { note: true, previews: PreviewForm::Full, files: true };
+    pub const NONE: Extras = Extras { note: false, previews: PreviewForm::Dropped, files: false };
+
+    /// The most that fits in `room` bytes, shrinking in order: drop the note, halve the
+    /// previews, drop them, drop the files.
+    pub fn fit(room: usize, note_bytes: usize, sizes: &ExtrasSizes) -> Extras {
+        let no_note = Extras { note: false, ..Extras::ALL };
+        let halved = Extras { previews: PreviewForm::Halved, ..no_note };
+        let no_previews = Extras { previews: PreviewForm::Dropped, ..no_note };
+        [Extras::ALL, no_note, halved, no_previews]
+            .into_iter()
+            .find(|extras| extras.bytes(note_bytes, sizes) <= room)
+            .unwrap_or(Extras::NONE)
+    }
+
+    /// Bytes these extras take in the text.
+    pub fn bytes(&self, note_bytes: usize, sizes: &ExtrasSizes) -> usize {
+        let previews = match self.previews {
+            PreviewForm::Full => sizes.previews_full,
+            PreviewForm::Halved => sizes.previews_halved,
+            PreviewForm::Dropped => 0,
+        };
+        (if self.note { note_bytes } else { 0 }) + previews as usize + if self.files { sizes.files as usize } else { 0 }
+    }
+}
+
+/// The link previews block: URL and title on one escaped line each, the text fenced and clipped.
+fn put_previews(out: &mut impl Sink, previews: &[crate::proto::LinkPreview], form: PreviewForm) {
+    let text_bytes = match form {
+        PreviewForm::Full => PREVIEW_TEXT_SHOWN_BYTES_MAX,
+        PreviewForm::Halved => PREVIEW_TEXT_SHOWN_BYTES_MAX / 2,
+        PreviewForm::Dropped => return,
+    };
+    if previews.is_empty() {
+        return;
+    }
+    out.put("=== link previews ===\n");
+    for preview in previews.iter().take(PREVIEWS_SHOWN_MAX) {
+        out.put("> [preview: ");
+        put_inline_clipped(out, &preview.url, PREVIEW_FIELD_SHOWN_BYTES_MAX);
+        out.put("] ");
+        put_inline_clipped(out, &preview.title, PREVIEW_FIELD_SHOWN_BYTES_MAX);
+        out.put("\n");
+        if !preview.text.trim().is_empty() {
+            out.put("> ");
+            put_inline_clipped(out, &preview.text, text_bytes);
+            out.put("\n");
+        }
+    }
+    if previews.len() > PREVIEWS_SHOWN_MAX {
+        out.put(&format!("> [{} more previews not shown]\n", previews.len() - PREVIEWS_SHOWN_MAX));
+    }
+}
+
+/// Bytes of the notes block a wake's note takes (0 without a note).
+pub fn note_bytes(note: Option<&crate::subscription::AttentionNote>) -> usize {
+    let mut count = ByteCount::default();
+    put_notes(&mut count, note);
+    count.0
+}
+
+fn put_notes(out: &mut impl Sink, note: Option<&crate::subscription::AttentionNote>) {
+    if let Some(note) = note {
+        out.put("=== notes ===\n");
+        put_attention_note(out, note);
+    }
+}
+
+/// The trigger's extras after its text, in the order notes, previews, files, as far as `extras`
+/// keeps them.
+fn put_extras(out: &mut impl Sink, item: &crate::wake::WakeItem, body: &RowBody, extras: Extras) {
+    if extras.note {
+        put_notes(out, item.note.as_ref());
+    }
+    put_previews(out, &body.previews, extras.previews);
+    if extras.files && !body.files.is_empty() {
+        out.put("=== files ===\n");
+        put_files(out, &body.files);
     }
 }
 
@@ -372,12 +513,8 @@ fn put_field(out: &mut impl Sink, key: &str, value: &str) {
     out.put("\n");
 }
 
-/// The last blocks: platform notes, then where to answer.
+/// The last block: where to answer.
 pub fn put_wake_tail(out: &mut impl Sink, item: &crate::wake::WakeItem) {
-    if let Some(note) = &item.note {
-        out.put("=== notes ===\n");
-        put_attention_note(out, note);
-    }
     out.put("=== reply ===\n");
     if let SurfaceId::Linear { session } = &item.reply_to {
         out.put("reply_to: linear session=");
@@ -460,13 +597,15 @@ fn put_linear_wake(
     put_wake_tail(out, item);
 }
 
-/// Upper bound of a wake text's size without its update rows.
+/// Upper bound of a wake text's size without its update rows and the trigger's extras.
 pub fn wake_frame_bytes_max(item: &crate::wake::WakeItem) -> usize {
     let mut count = ByteCount::default();
     put_wake_head(&mut count, u64::MAX, item.resume_after_restart);
     put_wake_latest_header(&mut count, item);
     put_wake_tail(&mut count, item);
-    count.0 + item.trigger.sender_bytes as usize + 1 + item.trigger.body_bytes as usize
+    // The row's body size counts its text and its files; the files are an extra.
+    let text_bytes = (item.trigger.body_bytes as usize).saturating_sub(item.extras.files as usize);
+    count.0 + item.trigger.sender_bytes as usize + 1 + text_bytes
 }
 
 /// A memory pass (DESIGN §4.10): when it runs, the slot it was scheduled for in the configured
@@ -535,7 +674,8 @@ pub fn render_wake_text(
     put_wake_latest_header(&mut out, item);
     put_sender(&mut out, &item.trigger, trigger_body, Some(reader));
     out.put("\n");
-    put_body(&mut out, trigger_body);
+    put_text(&mut out, trigger_body);
+    put_extras(&mut out, item, trigger_body, claimed.extras);
     put_wake_tail(&mut out, item);
     out
 }
@@ -553,6 +693,21 @@ mod tests {
             assert!(line.starts_with("> "), "unfenced line {line:?}");
         }
         assert!(!out.contains('\r') && !out.contains('\u{202e}') && !out.contains('\u{7}'));
+    }
+
+    #[test]
+    fn extras_shrink_in_order_note_then_halved_then_no_previews_then_no_files() {
+        let sizes = ExtrasSizes { previews_full: 4_000, previews_halved: 2_000, files: 1_000 };
+        let note = 300;
+        let fit = |room| Extras::fit(room, note, &sizes);
+        assert_eq!(fit(5_300), Extras::ALL);
+        assert_eq!(fit(5_299), Extras { note: false, ..Extras::ALL });
+        assert_eq!(fit(4_999), Extras { note: false, previews: PreviewForm::Halved, files: true });
+        assert_eq!(fit(2_999), Extras { note: false, previews: PreviewForm::Dropped, files: true });
+        assert_eq!(fit(999), Extras::NONE);
+        for room in [0, 999, 2_999, 4_999, 5_299, 5_300] {
+            assert!(fit(room).bytes(note, &sizes) <= room, "{room}");
+        }
     }
 
     #[test]

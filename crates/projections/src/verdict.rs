@@ -118,6 +118,8 @@ pub struct ClaimedWake {
     /// For a memory pass: the configured threshold at the claim's place in the log; a larger
     /// `MEMORY.md` gets the consolidation form.
     pub consolidation_threshold_bytes: u64,
+    /// Which of the trigger's extras (note, previews, files) the wake text shows.
+    pub extras: crate::render::Extras,
 }
 
 /// What one Linear session event did for its receiving agent.

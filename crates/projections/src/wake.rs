@@ -67,6 +67,8 @@ pub struct WakeItem {
     pub linear: Option<LinearWake>,
     /// Set for memory passes (item id `memory-pass:{agent}:{window_day}`).
     pub memory: Option<crate::memory::MemoryWake>,
+    /// Sizes of the trigger's extras (previews, files) as the wake text renders them.
+    pub extras: crate::render::ExtrasSizes,
 }
 
 /// The non-content fields of the Linear session event behind a wake.
@@ -191,9 +193,14 @@ impl State {
 
     /// Prepares a plan: the rows after the cursors, newest first across the plan's surfaces,
     /// until 20 rows or the byte budget; the trigger always included. Moves nothing.
-    fn prepare_wake(&self, agent: &str, item: &WakeItem) -> (Vec<PlanEntry>, Vec<RowMeta>, u64) {
+    fn prepare_wake(&self, agent: &str, item: &WakeItem) -> (Vec<PlanEntry>, Vec<RowMeta>, u64, render::Extras) {
         let surfaces = Self::plan_surfaces(item);
-        let mut budget = TEXT_BYTES_MAX.saturating_sub(render::wake_frame_bytes_max(item));
+        // The trigger and its extras come first (extras shrunk as far as needed to fit); the
+        // rows get what is left.
+        let frame = render::wake_frame_bytes_max(item);
+        let note_bytes = render::note_bytes(item.note.as_ref());
+        let extras = render::Extras::fit(TEXT_BYTES_MAX.saturating_sub(frame), note_bytes, &item.extras);
+        let mut budget = TEXT_BYTES_MAX.saturating_sub(frame + extras.bytes(note_bytes, &item.extras));
         let mut candidates: Vec<(&SurfaceId, &RowMeta)> = Vec::new();
         let mut after_cursors = 0u64;
         for surface in &surfaces {
@@ -243,7 +250,7 @@ impl State {
         };
         selected.sort_by_cached_key(order);
         let rows: Vec<RowMeta> = selected.into_iter().map(|(_, r)| r.clone()).collect();
-        (plan, rows, not_shown)
+        (plan, rows, not_shown, extras)
     }
 
     pub(crate) fn claim_wake(&mut self, at: LogPosition, request: &proto::WakeClaimRequested) -> Verdict {
@@ -295,7 +302,7 @@ impl State {
                 settled_without_turn.push(item.id);
                 continue;
             }
-            let (plan, rows, not_shown) = self.prepare_wake(&agent, &item);
+            let (plan, rows, not_shown, extras) = self.prepare_wake(&agent, &item);
             let queue = self.queues.get_mut(&agent).expect("queue exists");
             queue.queued.remove(index);
             queue.active = Some(ActiveWake {
@@ -315,6 +322,7 @@ impl State {
                 settled_without_turn,
                 memory_md_bytes: request.memory_md_bytes,
                 consolidation_threshold_bytes: self.memory_config().consolidation_threshold_bytes,
+                extras,
             })));
         }
     }

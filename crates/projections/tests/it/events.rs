@@ -191,6 +191,8 @@ pub trait MessageExt {
     fn by_bot(self, bot_id: &str, name: &str) -> Self;
     fn text(self, text: &str) -> Self;
     fn file(self, name: &str, size_bytes: u64) -> Self;
+    /// A link preview (Slack unfurl) on the message.
+    fn preview(self, url: &str, title: &str, text: &str) -> Self;
     /// In the thread rooted at `thread_ts` (a message, a send or a confirmation).
     fn in_thread(self, thread_ts: &str) -> Self;
     fn subtype(self, subtype: &str) -> Self;
@@ -239,6 +241,12 @@ impl MessageExt for Envelope {
             Some(Payload::SendConfirmed(c)) => c.files.push(file),
             _ => slack_message(&mut self).files.push(file),
         }
+        self
+    }
+
+    fn preview(mut self, url: &str, title: &str, text: &str) -> Self {
+        let preview = proto::LinkPreview { url: url.to_owned(), title: title.to_owned(), text: text.to_owned() };
+        slack_message(&mut self).previews.push(preview);
         self
     }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anima_projections::proto::Envelope;
-use anima_projections::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
+use anima_projections::render::{self, Extras, PreviewForm, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use anima_projections::verdict::{ClaimVerdict, ClaimedWake, Verdict};
 use expect_test::expect;
 
@@ -98,6 +98,65 @@ fn a_trigger_of_160000_bytes_with_many_files_stays_within_the_budget() {
     assert!(text.contains("[90 more files not listed]"));
     assert!(claimed.not_shown > 0);
     assert_envelope_intact(&text);
+}
+
+/// A trigger clipped to its 6,000 bytes leaves room for about 10 KB of extras.
+fn huge_trigger_with_previews(previews: usize) -> Envelope {
+    let mut trigger = dm(1, &"x".repeat(160_000));
+    for n in 0..previews {
+        let text = format!("preview {n} says {}", "z".repeat(16_000));
+        trigger = trigger.preview(&format!("https://example.com/{n}"), &format!("Page {n}"), &text);
+    }
+    trigger.file("report.pdf", 4_096)
+}
+
+#[test]
+fn a_trigger_of_160000_bytes_with_a_large_preview_stays_within_the_budget() {
+    let mut given = vec![ada(), huge_trigger_with_previews(1)];
+    for minute in 2..=30 {
+        given.push(dm(minute, &"y".repeat(5_000)));
+    }
+    let (claimed, text) = claimed_text(&given);
+    assert!(text.len() <= TEXT_BYTES_MAX, "{} bytes", text.len());
+    assert!(text.contains("clipped:"), "the trigger is clipped visibly");
+    // One preview fits in full: shown with its text clipped at 2,000 bytes, after the trigger.
+    assert_eq!(claimed.extras, Extras::ALL);
+    let previews = text.split("=== link previews ===\n").nth(1).expect("a previews block");
+    assert!(previews.starts_with("> [preview: https://example.com/0] Page 0\n> preview 0 says zzz"), "{previews}");
+    assert!(previews.contains("...\n=== files ===\n> [file: report.pdf, 4096 bytes]\n=== reply ==="), "{previews}");
+    assert_envelope_intact(&text);
+}
+
+#[test]
+fn extras_shrink_before_the_trigger_halving_then_dropping_the_previews() {
+    // Five full previews (~10.4 KB) do not fit beside the clipped trigger; halved (~5.4 KB) they do.
+    let (claimed, text) = claimed_text(&[ada(), huge_trigger_with_previews(5)]);
+    assert!(text.len() <= TEXT_BYTES_MAX, "{} bytes", text.len());
+    assert_eq!(claimed.extras.previews, PreviewForm::Halved, "{:?}", claimed.extras);
+    assert!(claimed.extras.files, "files go last");
+    let longest = text.lines().filter(|l| l.starts_with("> preview ")).map(str::len).max().expect("previews");
+    assert!(longest <= 2 + render::PREVIEW_TEXT_SHOWN_BYTES_MAX / 2 + 3, "halved texts: {longest} bytes");
+    assert!(text.contains("=== files ===\n> [file: report.pdf"), "{text}");
+    assert_envelope_intact(&text);
+
+    // Previews with long titles beside many long file names do not fit even halved: they go,
+    // the files stay.
+    let mut trigger = dm(1, &"x".repeat(160_000));
+    for n in 0..5 {
+        trigger = trigger.preview(
+            &format!("https://example.com/{n}/{}", "u".repeat(300)),
+            &"T".repeat(300),
+            &"w".repeat(16_000),
+        );
+    }
+    for n in 0..20 {
+        trigger = trigger.file(&format!("{n}-{}.png", "f".repeat(300)), 1_000);
+    }
+    let (claimed, text) = claimed_text(&[ada(), trigger]);
+    assert!(text.len() <= TEXT_BYTES_MAX, "{} bytes", text.len());
+    assert_eq!(claimed.extras.previews, PreviewForm::Dropped, "{:?}", claimed.extras);
+    assert!(!text.contains("=== link previews ==="), "{text}");
+    assert!(text.contains("=== files ==="), "{text}");
 }
 
 #[test]
