@@ -676,8 +676,8 @@ fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut 
                 facts.push(format!("{agent} already has an active wake {}: the claim loses", active.item.id));
                 return;
             }
-            facts.push(format!("{} wakes are queued for {agent}", queue.queued.len()));
-            for item in &queue.queued {
+            facts.push(format!("{} wakes are queued for {agent}", queue.queued().len()));
+            for item in queue.queued() {
                 if !request.item_id.is_empty() && item.id != request.item_id {
                     continue;
                 }
@@ -719,7 +719,11 @@ fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut 
                         let changed = request.memory_digest_before != request.memory_digest_after;
                         facts.push(format!(
                             "a memory pass: the digests before and after {}",
-                            if changed { "differ (completed when the turn completed)" } else { "are equal (quiet_skipped when the turn completed)" }
+                            if changed {
+                                "differ (completed when the turn completed)"
+                            } else {
+                                "are equal (quiet_skipped when the turn completed)"
+                            }
                         ));
                     }
                 }

@@ -290,17 +290,17 @@ pub fn state_at_response(
             slack_bot_id: record.map(|r| r.slack_bot_id.clone()).unwrap_or_default(),
             registered_seq: record.map_or(0, |r| r.registered_seq),
             cursors: state
-                .cursors
-                .iter()
-                .filter(|((owner, _), _)| owner == agent)
+                .cursor_entries()
+                .into_iter()
+                .filter(|((owner, _), _)| *owner == agent)
                 .map(|((owner, surface), cursor)| api::ReplayCursor {
-                    agent_id: owner.clone(),
+                    agent_id: owner.to_owned(),
                     surface: surface.to_string(),
-                    cursor: *cursor,
+                    cursor,
                     tail: tail_of(surface),
                 })
                 .collect(),
-            queued: queue.map(|q| q.queued.iter().map(wake_item).collect()).unwrap_or_default(),
+            queued: queue.map(|q| q.queued().iter().map(wake_item).collect()).unwrap_or_default(),
             active: queue.and_then(|q| q.active.as_ref()).map(|active| api::ReplayActiveWake {
                 item: Some(wake_item(&active.item)),
                 worker_id: active.worker.clone(),
@@ -310,10 +310,9 @@ pub fn state_at_response(
             }),
             settled_remembered: queue.map_or(0, |q| u64::from(q.settled_remembered)),
             subscriptions: state
-                .subscriptions
-                .iter()
-                .filter(|((owner, _), _)| owner == agent)
-                .map(|((_, surface), subscription)| format!("{surface}: {subscription:?}"))
+                .subscriptions_of(agent)
+                .into_iter()
+                .map(|(surface, subscription)| format!("{surface}: {subscription:?}"))
                 .collect(),
             memory_gate: describe_memory_gate(&state.memory_gate(agent)),
         }
@@ -326,13 +325,13 @@ pub fn state_at_response(
             trailing_owner: journal.and_then(|j| j.trailing_owner.clone()).unwrap_or_default(),
             trailing_run_start: journal.map_or(0, |j| j.trailing_run_start),
             cursors: state
-                .cursors
-                .iter()
-                .filter(|((_, on), _)| on == surface)
+                .cursor_entries()
+                .into_iter()
+                .filter(|((_, on), _)| *on == surface)
                 .map(|((agent, on), cursor)| api::ReplayCursor {
-                    agent_id: agent.clone(),
+                    agent_id: agent.to_owned(),
                     surface: on.to_string(),
-                    cursor: *cursor,
+                    cursor,
                     tail: tail_of(on),
                 })
                 .collect(),

@@ -198,8 +198,8 @@ impl api::ingest_server::Ingest for Services {
 fn wake_signal(engine: &Engine, agent: &str) -> api::WakeSignal {
     let state = engine.projection().state();
     let queue = state.queue(agent);
-    let queued = queue.map_or(0, |q| q.queued.len());
-    let claimable = queue.is_some_and(|q| q.active.is_none() && !q.queued.is_empty());
+    let queued = queue.map_or(0, |q| q.queued().len());
+    let claimable = queue.is_some_and(|q| q.active.is_none() && !q.queued().is_empty());
     api::WakeSignal {
         agent_id: agent.to_owned(),
         queued: u32::try_from(queued).unwrap_or(u32::MAX),
@@ -479,20 +479,10 @@ impl api::subscriptions_server::Subscriptions for Services {
             return Err(Status::invalid_argument(format!("agent_id: unknown agent {agent:?}")));
         }
         let subscriptions = state
-            .subscriptions
-            .range(
-                (
-                    agent.clone(),
-                    anima_projections::surface::SurfaceId::Slack {
-                        team: String::new(),
-                        channel: String::new(),
-                        thread_ts: None,
-                    },
-                )..,
-            )
-            .take_while(|((owner, _), _)| *owner == agent)
+            .subscriptions_of(&agent)
+            .into_iter()
             .filter(|(_, s)| s.member || s.following || s.muted)
-            .map(|((_, surface), s)| {
+            .map(|(surface, s)| {
                 let (target, chat_target) = match surface.to_target().target {
                     Some(api::reply_target::Target::Slack(target)) => (Some(target), None),
                     Some(api::reply_target::Target::Chat(target)) => (None, Some(target)),

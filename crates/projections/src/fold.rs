@@ -7,6 +7,7 @@
 
 use prost::Message;
 
+use crate::intern::SurfaceKey;
 use crate::journal::{RowBody, RowMeta};
 use crate::proto::{self, envelope::Payload};
 use crate::render;
@@ -157,19 +158,19 @@ impl State {
             return not_journaled(agent);
         }
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-        let body =
-            RowBody {
-                text: message.text.clone(),
-                user_name: message.user_name.clone(),
-                files: message.files.clone(),
-                previews: message.previews.clone(),
-            };
+        let body = RowBody {
+            text: message.text.clone(),
+            user_name: message.user_name.clone(),
+            files: message.files.clone(),
+            previews: message.previews.clone(),
+        };
         let owner = self.slack_owner(&message.user_id, &message.bot_id);
-        let existing = self.identities.get(&(surface.clone(), message.ts.clone())).copied();
-        let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
+        let surface_key = self.surfaces.intern(&surface);
+        let existing = self.identities.get(&(surface_key, message.ts.clone())).copied();
+        let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
         let row = row_meta(at, ordinal, &message.ts, ts_seconds, &message.user_id, &message.bot_id, owner, &body);
         if existing.is_none() {
-            self.journal_row(&surface, row.clone());
+            self.journal_row(surface_key, row.clone());
         }
         let mut wake = None;
         let mut route = None;
@@ -227,16 +228,20 @@ impl State {
             }
             SurfaceId::Memory { .. } => return refused(RefusalKind::InvalidArgument, "target is not a conversation"),
         };
-        let existing = self.identities.get(&(surface.clone(), confirmation.ts.clone())).copied();
+        let surface_key = self.surfaces.intern(&surface);
+        let existing = self.identities.get(&(surface_key, confirmation.ts.clone())).copied();
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
-                let body =
-                    RowBody { text: confirmation.text.clone(), files: confirmation.files.clone(), ..RowBody::default() };
-                let ordinal = self.journal_tail(&surface) + 1;
+                let body = RowBody {
+                    text: confirmation.text.clone(),
+                    files: confirmation.files.clone(),
+                    ..RowBody::default()
+                };
+                let ordinal = self.journal_tail(surface_key) + 1;
                 let row =
                     row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), &body);
-                self.journal_row(&surface, row);
+                self.journal_row(surface_key, row);
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
                 }
@@ -283,7 +288,7 @@ impl State {
         }
         let surface =
             SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
-        let chat = surface.top_level();
+        let chat = self.surfaces.intern(&surface.top_level());
         if self.chat_kinds.get(&chat) != Some(&kind) {
             self.chat_kinds.insert(chat, kind);
         }
@@ -294,11 +299,12 @@ impl State {
             previews: Vec::new(),
         };
         let owner = self.chat_identities.get(&message.sender_id).cloned();
-        let existing = self.identities.get(&(surface.clone(), message.message_id.clone())).copied();
-        let ordinal = existing.unwrap_or_else(|| self.journal_tail(&surface) + 1);
+        let surface_key = self.surfaces.intern(&surface);
+        let existing = self.identities.get(&(surface_key, message.message_id.clone())).copied();
+        let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
         let row = row_meta(at, ordinal, &message.message_id, log_seconds(at), &message.sender_id, "", owner, &body);
         if existing.is_none() {
-            self.journal_row(&surface, row.clone());
+            self.journal_row(surface_key, row.clone());
         }
         let mut wake = None;
         let mut route = None;
@@ -359,22 +365,22 @@ impl State {
         (Some(routed.route), self.queue_wake(at, agent, item))
     }
 
-    fn journal_tail(&self, surface: &SurfaceId) -> u64 {
-        self.journals.get(surface).map_or(0, |j| j.tail)
+    fn journal_tail(&self, surface: SurfaceKey) -> u64 {
+        self.journals.get(&surface).map_or(0, |j| j.tail)
     }
 
     /// Appends a new row and remembers its identity, forgetting the surface's oldest one beyond
     /// the dedupe window.
-    fn journal_row(&mut self, surface: &SurfaceId, row: RowMeta) {
+    fn journal_row(&mut self, surface: SurfaceKey, row: RowMeta) {
         let ordinal = row.ordinal;
         let ts = row.ts.clone();
-        self.journals.entry_or_default(surface.clone()).push(row);
-        self.identities.insert((surface.clone(), ts.clone()), ordinal);
-        self.identity_order.insert((surface.clone(), ordinal), ts);
+        self.journals.entry_or_default(surface).push(row);
+        self.identities.insert((surface, ts.clone()), ordinal);
+        self.identity_order.insert((surface, ordinal), ts);
         if ordinal > IDENTITIES_PER_SURFACE_MAX {
-            let oldest = (surface.clone(), ordinal - IDENTITIES_PER_SURFACE_MAX);
+            let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
             if let Some(old_ts) = self.identity_order.remove(&oldest) {
-                self.identities.remove(&(surface.clone(), old_ts));
+                self.identities.remove(&(surface, old_ts));
             }
         }
     }
@@ -416,10 +422,10 @@ pub(crate) fn row_meta(
         sender_bytes: 0,
         body_bytes: 0,
     };
-    let (row_bytes, sender_bytes) = render::row_sizes(&meta, body);
-    meta.row_bytes = saturating_u32(row_bytes);
-    meta.sender_bytes = saturating_u32(sender_bytes);
-    meta.body_bytes = saturating_u32(render::body_bytes(body));
+    let sizes = render::row_sizes(&meta, body);
+    meta.row_bytes = saturating_u32(sizes.row_bytes);
+    meta.sender_bytes = saturating_u32(sizes.sender_bytes);
+    meta.body_bytes = saturating_u32(sizes.body_bytes);
     meta
 }
 

@@ -67,30 +67,22 @@ impl RowBody {
     pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
         use proto::envelope::Payload;
         match envelope.payload.as_ref()? {
-            Payload::SlackMessage(m) => {
-                Some(RowBody {
-                    text: m.text.clone(),
-                    user_name: m.user_name.clone(),
-                    files: m.files.clone(),
-                    previews: m.previews.clone(),
-                })
-            }
-            Payload::ChatMessage(m) => {
-                Some(RowBody {
-                    text: m.text.clone(),
-                    user_name: m.sender_name.clone(),
-                    files: m.files.clone(),
-                    previews: Vec::new(),
-                })
-            }
+            Payload::SlackMessage(m) => Some(RowBody {
+                text: m.text.clone(),
+                user_name: m.user_name.clone(),
+                files: m.files.clone(),
+                previews: m.previews.clone(),
+            }),
+            Payload::ChatMessage(m) => Some(RowBody {
+                text: m.text.clone(),
+                user_name: m.sender_name.clone(),
+                files: m.files.clone(),
+                previews: Vec::new(),
+            }),
             // The prompt is the body of a Linear wake's trigger; the issue title stands where a
             // sender's name would.
             Payload::LinearSession(e) => {
-                Some(RowBody {
-                    text: e.prompt_text.clone(),
-                    user_name: e.issue_title.clone(),
-                    ..RowBody::default()
-                })
+                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), ..RowBody::default() })
             }
             Payload::SendConfirmed(c) => {
                 Some(RowBody { text: c.text.clone(), files: c.files.clone(), ..RowBody::default() })

@@ -7,6 +7,7 @@
 //! ([`state::State::canonical_bytes`]).
 
 pub mod fold;
+pub mod intern;
 pub mod journal;
 pub mod linear;
 pub mod memory;

@@ -145,11 +145,11 @@ impl State {
         let of_session = |item: &WakeItem| item.linear.as_ref().is_some_and(|l| l.session_id == session_id);
         let mut removed = Vec::new();
         if let Some(queue) = self.queues.get(&agent.to_owned()) {
-            removed = queue.queued.iter().filter(|i| of_session(i)).map(|i| i.id.clone()).collect();
+            removed = queue.queued().iter().filter(|i| of_session(i)).map(|i| i.id.clone()).collect();
         }
         if !removed.is_empty() {
             if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-                queue.queued.retain(|i| !of_session(i));
+                queue.retain(|i| !of_session(i));
             }
         }
         Verdict::LinearSession(LinearSessionVerdict {

@@ -364,7 +364,7 @@ impl State {
                 format!("{open} memory passes are queued or running; maxConcurrent is {}", config.max_concurrent),
             );
         }
-        if self.queue(agent).is_some_and(|q| q.queued.len() >= QUEUED_ITEMS_MAX) {
+        if self.queue(agent).is_some_and(|q| q.queued().len() >= QUEUED_ITEMS_MAX) {
             return refused(RefusalKind::Aborted, "the agent's wake queue is full");
         }
         let window_day = due.local_date_label();
@@ -395,7 +395,7 @@ impl State {
                 slot_label: calendar.local_label(due.slot),
             }),
         };
-        self.queues.entry_or_default(agent.to_owned()).queued.push_back(item);
+        self.queues.entry_or_default(agent.to_owned()).push_back(item);
         self.memory_gates.entry_or_default(agent.to_owned()).last_window_day = window_day.clone();
         self.memory_open.insert(
             due.pass_id.clone(),

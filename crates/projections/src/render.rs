@@ -320,22 +320,36 @@ pub fn put_sender(out: &mut impl Sink, meta: &RowMeta, body: &RowBody, reader: O
 
 /// Writes one journal row: a header line with ordinal, UTC time and sender, then the fenced body.
 pub fn put_row(out: &mut impl Sink, meta: &RowMeta, body: &RowBody, reader: Option<&str>) {
-    out.put(&format!("[#{} {}] ", meta.ordinal, format_utc(meta.ts_seconds)));
+    put_row_head(out, meta);
     put_sender(out, meta, body, reader);
     out.put("\n");
     put_body(out, body);
 }
 
+/// The start of a row's header line, up to its sender: ordinal and UTC time.
+fn put_row_head(out: &mut impl Sink, meta: &RowMeta) {
+    out.put(&format!("[#{} {}] ", meta.ordinal, format_utc(meta.ts_seconds)));
+}
+
 /// The sender label of rows the reader owns.
 pub const YOU: &str = "you";
 
-/// Sizes of a row as rendered for a reader that does not own it: (whole row, sender label).
-pub fn row_sizes(meta: &RowMeta, body: &RowBody) -> (usize, usize) {
-    let mut row = ByteCount::default();
-    put_row(&mut row, meta, body, None);
+/// Sizes of a row as [`put_row`] renders it for a reader that does not own it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSizes {
+    pub row_bytes: usize,
+    pub sender_bytes: usize,
+    pub body_bytes: usize,
+}
+
+/// Sizes of a row as rendered for a reader that does not own it, each part counted once.
+pub fn row_sizes(meta: &RowMeta, body: &RowBody) -> RowSizes {
+    let mut head = ByteCount::default();
+    put_row_head(&mut head, meta);
     let mut sender = ByteCount::default();
     put_sender(&mut sender, meta, body, None);
-    (row.0, sender.0)
+    let body_bytes = body_bytes(body);
+    RowSizes { row_bytes: head.0 + sender.0 + "\n".len() + body_bytes, sender_bytes: sender.0, body_bytes }
 }
 
 pub fn body_bytes(body: &RowBody) -> usize {
@@ -720,5 +734,48 @@ mod tests {
         let mut count = ByteCount::default();
         put_fenced_text(&mut count, &text);
         assert_eq!(count.0, out.len());
+    }
+
+    proptest::proptest! {
+        /// The sizes the fold stores at ingest are those of the row rendered later.
+        #[test]
+        fn row_sizes_are_the_rendered_sizes(
+            text in "(?s).{0,40}",
+            user_name in "[a-z \u{202e}]{0,8}",
+            user_id in "[A-Z0-9]{0,6}",
+            files in proptest::collection::vec("[a-z.\n]{0,12}", 0..13),
+            ordinal in 0u64..100_000,
+            ts_seconds in -10_000_000_000i64..10_000_000_000,
+        ) {
+            let body = RowBody {
+                text,
+                user_name,
+                files: files
+                    .into_iter()
+                    .map(|name| crate::proto::SlackFile { name, size_bytes: 7 })
+                    .collect(),
+            };
+            let meta = RowMeta {
+                ordinal,
+                seq: 1,
+                at_ns: 0,
+                ts: String::new(),
+                ts_seconds,
+                user_id,
+                bot_id: "B1".into(),
+                owner: None,
+                row_bytes: 0,
+                sender_bytes: 0,
+                body_bytes: 0,
+            };
+            let sizes = row_sizes(&meta, &body);
+            proptest::prop_assert_eq!(sizes.row_bytes, render_row(&meta, &body, None).len());
+            let mut sender = String::new();
+            put_sender(&mut sender, &meta, &body, None);
+            proptest::prop_assert_eq!(sizes.sender_bytes, sender.len());
+            let mut rendered_body = String::new();
+            put_body(&mut rendered_body, &body);
+            proptest::prop_assert_eq!(sizes.body_bytes, rendered_body.len());
+        }
     }
 }

@@ -24,11 +24,12 @@ impl State {
         if matches!(surface, SurfaceId::Linear { .. }) {
             return refused(RefusalKind::InvalidArgument, "a Linear session is answered with Sends.Respond, not Send");
         }
-        let cursor_key = (request.agent_id.clone(), surface.clone());
-        let Some(cursor) = self.cursors.get(&cursor_key).copied() else {
+        let cursor_key = self.agent_keys.key(agent).zip(self.surfaces.key(&surface));
+        let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursors.get(&key).copied()?)))
+        else {
             return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, cursor_after: None });
         };
-        let (tail, last_foreign) = match self.journals.get(&surface) {
+        let (tail, last_foreign) = match self.journals.get(&cursor_key.1) {
             Some(journal) => (journal.tail, journal.last_foreign_ordinal(agent)),
             None => (0, 0),
         };
@@ -46,7 +47,7 @@ impl State {
                 cursor_after: Some(tail),
             });
         }
-        let journal = self.journals.get(&surface).expect("tail > 0 implies a journal");
+        let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
         let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());
         let mut shown = Vec::new();
         for ordinal in (cursor + 1..=tail).rev() {

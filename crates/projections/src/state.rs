@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::intern::{AgentInterner, AgentKey, SurfaceInterner, SurfaceKey};
 use crate::journal::SurfaceJournal;
 use crate::linear::{LinearResponse, LinearResponseKey};
 use crate::memory::{MemoryConfig, MemoryGate, OpenPass};
@@ -18,7 +19,7 @@ use crate::wake::AgentQueue;
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 6;
+pub const FOLD_VERSION: u32 = 7;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -61,8 +62,8 @@ pub struct AgentRecord {
     pub registered_seq: u64,
 }
 
-/// Keys of per-(agent, surface) and per-(surface, x) tables.
-pub type AgentSurface = (String, SurfaceId);
+/// Keys of per-(agent, surface) tables.
+pub type AgentSurface = (AgentKey, SurfaceKey);
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct State {
@@ -70,11 +71,15 @@ pub struct State {
     pub agents: Table<String, AgentRecord>,
     /// Slack bot user ids and bot ids → the agent they belong to.
     pub slack_identities: Table<String, String>,
-    pub journals: Table<SurfaceId, SurfaceJournal>,
+    /// Surfaces the fold wrote state for, by interned key (the key of every surface-keyed table).
+    pub surfaces: SurfaceInterner,
+    /// Agents the fold wrote per-(agent, surface) state for, by interned key.
+    pub agent_keys: AgentInterner,
+    pub journals: Table<SurfaceKey, SurfaceJournal>,
     /// (surface, ts) → ordinal, the dedupe window of message identities.
-    pub identities: Table<(SurfaceId, String), u64>,
+    pub identities: Table<(SurfaceKey, String), u64>,
     /// (surface, ordinal) → ts, to evict the oldest identity of a surface.
-    pub identity_order: Table<(SurfaceId, u64), String>,
+    pub identity_order: Table<(SurfaceKey, u64), String>,
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
@@ -89,7 +94,7 @@ pub struct State {
     pub chat_identities: Table<String, String>,
     /// A chat's top-level surface → whether it is one-to-one, as its newest observation said.
     /// A chat id does not tell; p2p chats behave like DMs.
-    pub chat_kinds: Table<SurfaceId, ChatKind>,
+    pub chat_kinds: Table<SurfaceKey, ChatKind>,
     /// Linear receipt ids → the log seq of the first receipt (first receipt wins).
     pub linear_receipts: Table<String, u64>,
     /// Log seq → receipt id, to forget the oldest receipt beyond the bound.
@@ -195,6 +200,8 @@ state_tables! {
     19 => memory_config,
     20 => memory_gates,
     21 => memory_open,
+    22 => surfaces,
+    23 => agent_keys,
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
@@ -223,11 +230,36 @@ impl State {
     }
 
     pub fn cursor(&self, agent: &str, surface: &SurfaceId) -> Option<u64> {
-        self.cursors.get(&(agent.to_owned(), surface.clone())).copied()
+        self.cursor_by_key(self.agent_keys.key(agent)?, self.surfaces.key(surface)?)
+    }
+
+    pub(crate) fn cursor_by_key(&self, agent: AgentKey, surface: SurfaceKey) -> Option<u64> {
+        self.cursors.get(&(agent, surface)).copied()
     }
 
     pub fn journal(&self, surface: &SurfaceId) -> Option<&SurfaceJournal> {
-        self.journals.get(surface)
+        self.journals.get(&self.surfaces.key(surface)?)
+    }
+
+    /// Every cursor as ((agent, surface), cursor), in agent then surface order.
+    pub fn cursor_entries(&self) -> Vec<((&str, &SurfaceId), u64)> {
+        let mut entries: Vec<_> = self
+            .cursors
+            .iter()
+            .map(|((agent, surface), cursor)| {
+                ((self.agent_keys.value(*agent).as_str(), self.surfaces.value(*surface)), *cursor)
+            })
+            .collect();
+        entries.sort();
+        entries
+    }
+
+    /// Every journal with its surface, in surface order.
+    pub fn journal_entries(&self) -> Vec<(&SurfaceId, &SurfaceJournal)> {
+        let mut entries: Vec<_> =
+            self.journals.iter().map(|(surface, journal)| (self.surfaces.value(*surface), journal)).collect();
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        entries
     }
 
     pub fn queue(&self, agent: &str) -> Option<&AgentQueue> {
@@ -239,7 +271,10 @@ impl State {
     pub fn is_direct(&self, surface: &SurfaceId) -> bool {
         match surface {
             SurfaceId::Slack { .. } => surface.is_slack_dm(),
-            SurfaceId::Chat { .. } => self.chat_kinds.get(&surface.top_level()) == Some(&ChatKind::P2p),
+            SurfaceId::Chat { .. } => self
+                .surfaces
+                .key(&surface.top_level())
+                .is_some_and(|chat| self.chat_kinds.get(&chat) == Some(&ChatKind::P2p)),
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
     }

@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::fold::refused;
+use crate::intern::{AgentKey, SurfaceKey};
 use crate::journal::RowMeta;
 use crate::proto;
 use crate::state::{LogPosition, State};
@@ -135,8 +136,10 @@ pub fn mentions(text: &str, bot_user_id: &str) -> bool {
     if bot_user_id.is_empty() {
         return false;
     }
-    let needle = format!("<@{bot_user_id}>");
-    let needle_with_label = format!("<@{bot_user_id}|");
+    if !text.contains('`') {
+        // No code at all: everything is outside code (the common case, without allocating).
+        return mentions_in_plain(text, bot_user_id);
+    }
     let mut rest = text;
     let mut outside = String::new();
     // Drop ``` blocks, then `spans`; what remains is outside code.
@@ -157,7 +160,14 @@ pub fn mentions(text: &str, bot_user_id: &str) -> bool {
             plain.push(' ');
         }
     }
-    plain.contains(&needle) || plain.contains(&needle_with_label)
+    mentions_in_plain(&plain, bot_user_id)
+}
+
+/// Whether `plain` contains `<@bot_user_id>` or `<@bot_user_id|`.
+fn mentions_in_plain(plain: &str, bot_user_id: &str) -> bool {
+    plain.match_indices("<@").any(|(index, _)| {
+        plain[index + 2..].strip_prefix(bot_user_id).is_some_and(|after| after.starts_with(['>', '|']))
+    })
 }
 
 /// The channel (or chat) top level of a surface (itself when it is one).
@@ -192,11 +202,28 @@ pub struct Routed {
 
 impl State {
     pub fn subscription(&self, agent: &str, surface: &SurfaceId) -> Option<&Subscription> {
-        self.subscriptions.get(&(agent.to_owned(), surface.clone()))
+        self.subscription_by_key(self.agent_keys.key(agent)?, surface)
     }
 
-    fn subscription_mut(&mut self, agent: &str, surface: &SurfaceId) -> &mut Subscription {
-        self.subscriptions.entry_or_default((agent.to_owned(), surface.clone()))
+    fn subscription_by_key(&self, agent: AgentKey, surface: &SurfaceId) -> Option<&Subscription> {
+        self.subscriptions.get(&(agent, self.surfaces.key(surface)?))
+    }
+
+    fn subscription_mut(&mut self, agent: AgentKey, surface: &SurfaceId) -> &mut Subscription {
+        let surface = self.surfaces.intern(surface);
+        self.subscriptions.entry_or_default((agent, surface))
+    }
+
+    /// Every subscription of `agent`, in surface order.
+    pub fn subscriptions_of(&self, agent: &str) -> Vec<(&SurfaceId, &Subscription)> {
+        let Some(agent) = self.agent_keys.key(agent) else { return Vec::new() };
+        let mut entries: Vec<_> = self
+            .subscriptions
+            .range((agent, SurfaceKey(0))..=(agent, SurfaceKey(u32::MAX)))
+            .map(|((_, surface), subscription)| (self.surfaces.value(*surface), subscription))
+            .collect();
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        entries
     }
 
     /// Routes one observed message for one receiving agent (first match wins), updating follows
@@ -207,10 +234,11 @@ impl State {
         let row = observed.row;
         let dm = observed.direct;
         let channel = channel_of(surface);
+        let agent_key = self.agent_keys.intern(agent);
         if !dm {
-            let membership = self.subscription(agent, &channel).is_some_and(|s| s.member);
+            let membership = self.subscription_by_key(agent_key, &channel).is_some_and(|s| s.member);
             if !membership {
-                self.subscription_mut(agent, &channel).member = true;
+                self.subscription_mut(agent_key, &channel).member = true;
             }
         }
         if row.is_own(agent) {
@@ -229,14 +257,14 @@ impl State {
                 None => thread_at(surface, &row.ts),
             };
             if !observed.is_bot {
-                let subscription = self.subscription_mut(agent, &thread);
+                let subscription = self.subscription_mut(agent_key, &thread);
                 subscription.following = true;
                 subscription.muted = false;
             }
             return Routed { route: Route::Wake(WakeReason::Mention), reply_to: Some(thread), note: None };
         }
         if surface.thread_ts().is_some() {
-            return match self.subscription(agent, surface) {
+            return match self.subscription_by_key(agent_key, surface) {
                 Some(s) if s.following && s.muted => ignored(IgnoreReason::Muted),
                 Some(s) if s.following => {
                     Routed { route: Route::Wake(WakeReason::ThreadFollow), reply_to: Some(surface.clone()), note: None }
@@ -247,7 +275,7 @@ impl State {
         if observed.is_bot {
             return ignored(IgnoreReason::NotAddressed);
         }
-        if self.subscription(agent, &channel).is_some_and(|s| s.muted) {
+        if self.subscription_by_key(agent_key, &channel).is_some_and(|s| s.muted) {
             return ignored(IgnoreReason::Muted);
         }
         Routed {
@@ -270,6 +298,7 @@ impl State {
             WakeReason::ThreadFollow => surface.clone(),
             WakeReason::Dm | WakeReason::Mention | WakeReason::Linear | WakeReason::Memory => return None,
         };
+        let agent = self.agent_keys.intern(agent);
         let attention = &mut self.subscription_mut(agent, &target).attention;
         let kind = attention.count_wake(at.at_ns)?;
         let wakes = attention.wakes_since_post;
@@ -283,6 +312,7 @@ impl State {
         if self.is_direct(surface) {
             return;
         }
+        let agent = self.agent_keys.intern(agent);
         match surface.thread_ts() {
             Some(_) => {
                 let subscription = self.subscription_mut(agent, surface);
@@ -329,7 +359,58 @@ impl State {
         if !request.mute && !current {
             return refused(RefusalKind::FailedPrecondition, format!("{surface} is not muted; nothing to unmute"));
         }
-        self.subscription_mut(&request.agent_id, &surface).muted = request.mute;
+        let agent = self.agent_keys.intern(&request.agent_id);
+        self.subscription_mut(agent, &surface).muted = request.mute;
         Verdict::SubscriptionChanged { surface, muted: request.mute }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first form of [`mentions`]: strip code, then search the two needles.
+    fn mentions_reference(text: &str, bot_user_id: &str) -> bool {
+        if bot_user_id.is_empty() {
+            return false;
+        }
+        let needle = format!("<@{bot_user_id}>");
+        let needle_with_label = format!("<@{bot_user_id}|");
+        let mut rest = text;
+        let mut outside = String::new();
+        while let Some(start) = rest.find("```") {
+            outside.push_str(&rest[..start]);
+            match rest[start + 3..].find("```") {
+                Some(end) => rest = &rest[start + 3 + end + 3..],
+                None => rest = "",
+            }
+        }
+        outside.push_str(rest);
+        let mut plain = String::new();
+        for (index, part) in outside.split('`').enumerate() {
+            if index % 2 == 0 {
+                plain.push_str(part);
+                plain.push(' ');
+            }
+        }
+        plain.contains(&needle) || plain.contains(&needle_with_label)
+    }
+
+    #[test]
+    fn mentions_outside_code_only() {
+        assert!(mentions("hi <@U1>", "U1"));
+        assert!(mentions("hi <@U1|ada> there", "U1"));
+        assert!(!mentions("hi <@U12>", "U1"));
+        assert!(!mentions("`<@U1>`", "U1"));
+        assert!(!mentions("```\n<@U1>\n```", "U1"));
+        assert!(mentions("<```x```@U1>", "U1"), "a removed block joins what surrounds it");
+        assert!(!mentions("<@U1>", ""));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn mentions_agrees_with_its_first_form(text in "[<@>|`U1 a]{0,24}", id in "U1?") {
+            proptest::prop_assert_eq!(mentions(&text, &id), mentions_reference(&text, &id));
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -103,18 +103,81 @@ pub struct ActiveWake {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "AgentQueueFields")]
 pub struct AgentQueue {
-    pub queued: VecDeque<WakeItem>,
+    /// Waiting items in queue order; changed only through the methods below, which keep
+    /// `queued_ids` in step.
+    queued: VecDeque<WakeItem>,
     pub active: Option<ActiveWake>,
     /// How many settled ids are remembered for this agent.
     pub settled_remembered: u32,
     /// Order of the next settled id, so the oldest can be forgotten first.
     pub settled_counter: u64,
+    /// The ids in `queued`, for the duplicate check of every new wake (a queue holds up to
+    /// [`QUEUED_ITEMS_MAX`] items). Derived: not persisted, rebuilt when a checkpoint loads;
+    /// only looked up, never iterated.
+    #[serde(skip)]
+    queued_ids: HashSet<String>,
+}
+
+/// The persisted fields of [`AgentQueue`], in its order.
+#[derive(Deserialize)]
+struct AgentQueueFields {
+    queued: VecDeque<WakeItem>,
+    active: Option<ActiveWake>,
+    settled_remembered: u32,
+    settled_counter: u64,
+}
+
+impl From<AgentQueueFields> for AgentQueue {
+    fn from(fields: AgentQueueFields) -> Self {
+        let queued_ids = fields.queued.iter().map(|item| item.id.clone()).collect();
+        AgentQueue {
+            queued: fields.queued,
+            active: fields.active,
+            settled_remembered: fields.settled_remembered,
+            settled_counter: fields.settled_counter,
+            queued_ids,
+        }
+    }
 }
 
 impl AgentQueue {
+    /// Whether `item_id` is queued or active.
     pub fn holds(&self, item_id: &str) -> bool {
-        self.queued.iter().any(|i| i.id == item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
+        self.queued_ids.contains(item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
+    }
+
+    /// The waiting items, in queue order.
+    pub fn queued(&self) -> &VecDeque<WakeItem> {
+        &self.queued
+    }
+
+    pub(crate) fn push_back(&mut self, item: WakeItem) {
+        self.queued_ids.insert(item.id.clone());
+        self.queued.push_back(item);
+    }
+
+    pub(crate) fn push_front(&mut self, item: WakeItem) {
+        self.queued_ids.insert(item.id.clone());
+        self.queued.push_front(item);
+    }
+
+    pub(crate) fn remove(&mut self, index: usize) -> Option<WakeItem> {
+        let item = self.queued.remove(index)?;
+        self.queued_ids.remove(&item.id);
+        Some(item)
+    }
+
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&WakeItem) -> bool) {
+        let queued_ids = &mut self.queued_ids;
+        self.queued.retain(|item| {
+            let kept = keep(item);
+            if !kept {
+                queued_ids.remove(&item.id);
+            }
+            kept
+        });
     }
 }
 
@@ -141,7 +204,7 @@ impl State {
         let mut item = item;
         let reason = item.reason;
         item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
-        self.queues.entry_or_default(agent.to_owned()).queued.push_back(item);
+        self.queues.entry_or_default(agent.to_owned()).push_back(item);
         self.note_memory_history(at, agent);
         Some(reason)
     }
@@ -205,7 +268,7 @@ impl State {
         let mut after_cursors = 0u64;
         for surface in &surfaces {
             let cursor = self.cursor(agent, surface).unwrap_or(0);
-            if let Some(journal) = self.journals.get(surface) {
+            if let Some(journal) = self.journal(surface) {
                 after_cursors += journal.tail.saturating_sub(cursor);
                 candidates.extend(
                     journal
@@ -297,14 +360,14 @@ impl State {
             let item = queue.queued[index].clone();
             let covered = self.cursor(&agent, &item.trigger_surface).is_some_and(|c| c >= item.trigger.ordinal);
             if covered && !item.resume_after_restart {
-                self.queues.get_mut(&agent).expect("queue exists").queued.remove(index);
+                self.queues.get_mut(&agent).expect("queue exists").remove(index);
                 self.remember_settled(at, &agent, &item.id);
                 settled_without_turn.push(item.id);
                 continue;
             }
             let (plan, rows, not_shown, extras) = self.prepare_wake(&agent, &item);
             let queue = self.queues.get_mut(&agent).expect("queue exists");
-            queue.queued.remove(index);
+            queue.remove(index);
             queue.active = Some(ActiveWake {
                 item: item.clone(),
                 worker: request.worker_id.clone(),
@@ -367,12 +430,12 @@ impl State {
             );
             let queue = self.queues.get_mut(&agent).expect("queue exists");
             if let Some(active) = queue.active.take() {
-                queue.queued.push_front(active.item);
+                queue.push_front(active.item);
             }
             return refused(RefusalKind::Aborted, message);
         }
         for entry in &plan {
-            let tail = self.journals.get(&entry.surface).map_or(0, |j| j.tail);
+            let tail = self.journal(&entry.surface).map_or(0, |j| j.tail);
             if entry.target > tail {
                 return refused(
                     RefusalKind::FailedPrecondition,
@@ -380,8 +443,9 @@ impl State {
                 );
             }
         }
+        let agent_key = self.agent_keys.intern(&agent);
         for entry in &plan {
-            let key = (agent.clone(), entry.surface.clone());
+            let key = (agent_key, self.surfaces.intern(&entry.surface));
             let next = self.cursors.get(&key).copied().unwrap_or(0).max(entry.target);
             self.cursors.insert(key, next);
         }
@@ -419,7 +483,7 @@ impl State {
         }
         let covered_set: std::collections::BTreeSet<&str> = covered.iter().map(String::as_str).collect();
         if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-            queue.queued.retain(|item| !covered_set.contains(item.id.as_str()));
+            queue.retain(|item| !covered_set.contains(item.id.as_str()));
         }
         for id in &covered {
             self.remember_settled(at, agent, id);
@@ -459,7 +523,7 @@ impl State {
         let queue = self.queues.get_mut(&request.agent_id).expect("checked above");
         let mut item = queue.active.take().expect("checked above").item;
         item.resume_after_restart = true;
-        queue.queued.push_front(item);
+        queue.push_front(item);
         Verdict::Recovered { item_id: request.item_id.clone() }
     }
 
@@ -500,7 +564,7 @@ impl State {
         if requeue {
             let mut item = active.item;
             item.resume_after_restart = true;
-            queue.queued.push_front(item);
+            queue.push_front(item);
         } else {
             self.remember_settled(at, &agent, &active.item.id);
             if is_memory_pass {

@@ -243,21 +243,19 @@ fn describe_verdict(log: &TestLog, seq: u64) -> String {
 
 fn describe_ada(log: &TestLog) -> String {
     let mut out = String::new();
-    if let Some(item) = log.state.queue("ada").and_then(|q| q.queued.back()) {
+    if let Some(item) = log.state.queue("ada").and_then(|q| q.queued().back()) {
         writeln!(out, "newest queued: {} {} reply_to {}", item.id, item.reason.as_str(), item.reply_to).unwrap();
         if let Some(note) = &item.note {
             render::put_attention_note(&mut out, note);
         }
     }
-    for ((agent, surface), s) in log.state.subscriptions.iter() {
-        if agent == "ada" {
-            writeln!(
-                out,
-                "{surface}: member {} following {} muted {} wakes_since_post {}",
-                s.member, s.following, s.muted, s.attention.wakes_since_post
-            )
-            .unwrap();
-        }
+    for (surface, s) in log.state.subscriptions_of("ada") {
+        writeln!(
+            out,
+            "{surface}: member {} following {} muted {} wakes_since_post {}",
+            s.member, s.following, s.muted, s.attention.wakes_since_post
+        )
+        .unwrap();
     }
     writeln!(out, "cursors: {}", log.cursors("ada")).unwrap();
     out

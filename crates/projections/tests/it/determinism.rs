@@ -328,6 +328,9 @@ impl Scenario {
             loaded.load_entry(key, value).expect("checkpoint entries decode");
         }
         assert!(loaded.canonical_bytes() == bytes, "state loaded from the checkpoint differs from the folded state");
+        // Derived lookup indexes (interned keys, queued ids) are not in the canonical bytes:
+        // loading must rebuild them too.
+        assert!(loaded == self.log.state, "indexes rebuilt from the checkpoint differ from the folded state's");
     }
 }
 
@@ -417,10 +420,13 @@ impl Model {
             Some(Payload::WakeStart(s)) => self.check_start(s, verdict),
             _ => {}
         }
-        let folded: BTreeMap<(String, String), u64> =
-            state.cursors.iter().map(|((agent, surface), n)| ((agent.clone(), surface.to_string()), *n)).collect();
+        let folded: BTreeMap<(String, String), u64> = state
+            .cursor_entries()
+            .into_iter()
+            .map(|((agent, surface), n)| ((agent.to_owned(), surface.to_string()), n))
+            .collect();
         assert_eq!(folded, self.cursors, "cursors after seq {seq}");
-        for (surface, journal) in state.journals.iter() {
+        for (surface, journal) in state.journal_entries() {
             assert_eq!(journal.tail, self.tail(&surface.to_string()), "tail of {surface} after seq {seq}");
         }
     }

@@ -32,7 +32,7 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
         other => format!("{other:?}\n"),
     };
     out.push_str("--- journals ---\n");
-    for (surface, journal) in log.state.journals.iter() {
+    for (surface, journal) in log.state.journal_entries() {
         writeln!(out, "{surface} (tail {})", journal.tail).unwrap();
         for row in &journal.recent {
             let author =

@@ -122,7 +122,7 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
     }
     let queue = log.state.queue("ada");
     let queued: Vec<String> = queue
-        .map(|q| q.queued.iter().map(|i| format!("{} reply_to={}", i.id, i.reply_to)).collect())
+        .map(|q| q.queued().iter().map(|i| format!("{} reply_to={}", i.id, i.reply_to)).collect())
         .unwrap_or_default();
     writeln!(out, "queued: {}", if queued.is_empty() { "none".to_owned() } else { queued.join(", ") }).unwrap();
     if let Some(active) = queue.and_then(|q| q.active.as_ref()) {

@@ -102,9 +102,9 @@ impl TestLog {
     pub fn cursors(&self, agent: &str) -> String {
         let cursors: Vec<String> = self
             .state
-            .cursors
-            .iter()
-            .filter(|((a, _), _)| a == agent)
+            .cursor_entries()
+            .into_iter()
+            .filter(|((a, _), _)| *a == agent)
             .map(|((_, surface), n)| format!("{surface}@{n}"))
             .collect();
         if cursors.is_empty() {

@@ -60,7 +60,7 @@ fn describe(log: &TestLog, seq: u64) -> String {
         other => writeln!(out, "{other:?}").unwrap(),
     }
     if let Some(queue) = log.state.queue("ada") {
-        if let Some(item) = queue.queued.back() {
+        if let Some(item) = queue.queued().back() {
             writeln!(out, "newest queued: {} reply_to {}", item.reason.as_str(), item.reply_to).unwrap();
             if let Some(note) = &item.note {
                 let mut text = String::new();
@@ -69,15 +69,13 @@ fn describe(log: &TestLog, seq: u64) -> String {
             }
         }
     }
-    for ((agent, surface), s) in log.state.subscriptions.iter() {
-        if agent == "ada" {
-            writeln!(
-                out,
-                "{surface}: member {} following {} muted {} wakes_since_post {}",
-                s.member, s.following, s.muted, s.attention.wakes_since_post
-            )
-            .unwrap();
-        }
+    for (surface, s) in log.state.subscriptions_of("ada") {
+        writeln!(
+            out,
+            "{surface}: member {} following {} muted {} wakes_since_post {}",
+            s.member, s.following, s.muted, s.attention.wakes_since_post
+        )
+        .unwrap();
     }
     out
 }

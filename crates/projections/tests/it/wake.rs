@@ -93,7 +93,7 @@ fn describe_agent(log: &TestLog, agent: &str) -> String {
     let queue = log.state.queue(agent);
     let queued: Vec<String> = queue
         .map(|q| {
-            q.queued
+            q.queued()
                 .iter()
                 .map(|i| {
                     format!("{} {}{}", i.id, i.reason.as_str(), if i.resume_after_restart { " resume" } else { "" })
@@ -174,7 +174,7 @@ fn an_own_dm_does_not_wake() {
 #[test]
 fn a_dm_in_a_thread_wakes_with_the_thread_as_reply_target() {
     let log = TestLog::with(&[anna(), dm_from_human("anna", "D1", &ts(2), "in a thread").in_thread(&ts(1))]);
-    let item = &log.state.queue("anna").unwrap().queued[0];
+    let item = &log.state.queue("anna").unwrap().queued()[0];
     assert_eq!(item.reply_to.to_string(), "slack:T1:D1:thread:1700000060.000100");
 }
 

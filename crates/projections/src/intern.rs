@@ -1,0 +1,121 @@
+//! Interned keys: the fold gives every surface and every agent it writes state for a dense `u32`,
+//! in log order of first use, and keys its hot tables by those numbers. Comparing and cloning
+//! two integers is what an ordered table does on every step of a lookup; comparing surface ids
+//! was a string comparison per level (most of the fold's time).
+//!
+//! Keys are assigned by the fold only, so they are part of the deterministic state: folding the
+//! same events gives the same keys. The key → value table is persisted like any other table; the
+//! value → key index is derived from it and only ever looked up, never iterated, so its hash
+//! order cannot leak into anything persisted or compared.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+
+use serde::{Deserialize, Serialize};
+
+use crate::surface::SurfaceId;
+use crate::table::Table;
+
+/// A surface's interned key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct SurfaceKey(pub u32);
+
+/// An agent's interned key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct AgentKey(pub u32);
+
+/// A key type of an [`Interner`]: a dense index.
+pub trait InternKey: Copy + Ord {
+    fn from_index(index: u32) -> Self;
+}
+
+impl InternKey for SurfaceKey {
+    fn from_index(index: u32) -> Self {
+        SurfaceKey(index)
+    }
+}
+
+impl InternKey for AgentKey {
+    fn from_index(index: u32) -> Self {
+        AgentKey(index)
+    }
+}
+
+/// Values by dense key, and the index back. Values are never forgotten (surfaces and agents are
+/// not forgotten by the tables that use them either).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Interner<K: InternKey, V: Ord + Clone + Hash> {
+    values: Table<K, V>,
+    keys: HashMap<V, K>,
+}
+
+impl<K: InternKey, V: Ord + Clone + Hash> Default for Interner<K, V> {
+    fn default() -> Self {
+        Interner { values: Table::default(), keys: HashMap::new() }
+    }
+}
+
+impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
+    /// The key of `value`, if the fold ever wrote state for it.
+    pub fn key<Q>(&self, value: &Q) -> Option<K>
+    where
+        V: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.keys.get(value).copied()
+    }
+
+    /// The key of `value`, assigning the next one when it has none.
+    pub fn intern<Q>(&mut self, value: &Q) -> K
+    where
+        V: std::borrow::Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = V> + ?Sized,
+    {
+        if let Some(key) = self.keys.get(value) {
+            return *key;
+        }
+        let index = u32::try_from(self.keys.len()).expect("fewer than 2^32 interned values");
+        let key = K::from_index(index);
+        let value = value.to_owned();
+        self.keys.insert(value.clone(), key);
+        self.values.insert(key, value);
+        key
+    }
+
+    /// The value of a key this interner gave out.
+    pub fn value(&self, key: K) -> &V {
+        self.values.get(&key).expect("interned keys are never forgotten")
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.values.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// Keys assigned since the last call, with their value.
+    pub fn drain_changes(&mut self) -> Vec<(K, Option<&V>)> {
+        self.values.drain_changes()
+    }
+
+    /// Loads an entry from a checkpoint; not marked changed.
+    pub fn load(&mut self, key: K, value: V) {
+        self.keys.insert(value.clone(), key);
+        self.values.load(key, value);
+    }
+
+    pub fn changed_len(&self) -> usize {
+        self.values.changed_len()
+    }
+}
+
+/// Surfaces by key.
+pub type SurfaceInterner = Interner<SurfaceKey, SurfaceId>;
+/// Agent ids by key.
+pub type AgentInterner = Interner<AgentKey, String>;
