@@ -1009,7 +1009,10 @@ impl DirectSource {
             let (left, right) = (checkpoint.get(key), rebuilt_entries.get(key));
             (left != right).then(|| KeyDifference {
                 table: table_name(key),
-                key: escape(key),
+                key: match rebuilt.state.describe_interned_key(key) {
+                    Some(named) => format!("{} = {named}", escape(key)),
+                    None => escape(key),
+                },
                 checkpoint_bytes: left.map(|v| v.len() as u64),
                 rebuilt_bytes: right.map(|v| v.len() as u64),
                 first_differing_byte: match (left, right) {
@@ -1060,7 +1063,8 @@ impl VerifyReport {
 pub struct KeyDifference {
     /// The state table the key belongs to ("cursors", "journals", "meta", ...).
     pub table: String,
-    /// The key, tag byte first, with non-printable bytes escaped.
+    /// The key, tag byte first, with non-printable bytes escaped; for tables keyed by interned
+    /// surfaces and agents, followed by ` = ` and the key with those named.
     pub key: String,
     pub checkpoint_bytes: Option<u64>,
     pub rebuilt_bytes: Option<u64>,

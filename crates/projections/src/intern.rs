@@ -87,6 +87,11 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
         self.values.get(&key).expect("interned keys are never forgotten")
     }
 
+    /// The value of `key`, if this interner gave it out.
+    pub fn get(&self, key: K) -> Option<&V> {
+        self.values.get(&key)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
         self.values.iter()
     }

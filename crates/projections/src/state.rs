@@ -174,6 +174,14 @@ macro_rules! state_tables {
             pub fn changed_len(&self) -> usize {
                 0 $(+ self.$field.changed_len())*
             }
+
+            /// The name of the table with this tag.
+            fn table_of_tag(tag: u8) -> Option<&'static str> {
+                match tag {
+                    $( $tag => Some(stringify!($field)), )*
+                    _ => None,
+                }
+            }
         }
     };
 }
@@ -277,6 +285,34 @@ impl State {
                 .is_some_and(|chat| self.chat_kinds.get(&chat) == Some(&ChatKind::P2p)),
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
+    }
+
+    /// A checkpoint key of a table keyed by interned surfaces or agents, with those named by
+    /// their ids (e.g. `cursors (ada, slack:T1:D1)`), for reports that point at a key. `None` for
+    /// other tables and for keys that do not decode or that this state never assigned.
+    pub fn describe_interned_key(&self, key: &[u8]) -> Option<String> {
+        let (tag, rest) = key.split_first()?;
+        let table = Self::table_of_tag(*tag)?;
+        let surface = |key: SurfaceKey| self.surfaces.get(key).map(ToString::to_string);
+        let agent = |key: AgentKey| self.agent_keys.get(key).cloned();
+        let named = match table {
+            "journals" | "chat_kinds" | "surfaces" => surface(postcard::from_bytes(rest).ok()?)?,
+            "identities" => {
+                let (on, ts): (SurfaceKey, String) = postcard::from_bytes(rest).ok()?;
+                format!("({}, {ts})", surface(on)?)
+            }
+            "identity_order" => {
+                let (on, ordinal): (SurfaceKey, u64) = postcard::from_bytes(rest).ok()?;
+                format!("({}, {ordinal})", surface(on)?)
+            }
+            "cursors" | "subscriptions" => {
+                let (of, on): AgentSurface = postcard::from_bytes(rest).ok()?;
+                format!("({}, {})", agent(of)?, surface(on)?)
+            }
+            "agent_keys" => agent(postcard::from_bytes(rest).ok()?)?,
+            _ => return None,
+        };
+        Some(format!("{table} {named}"))
     }
 
     /// Whether the fold stopped deciding at or before `seq`.
