@@ -15,7 +15,7 @@ use crate::subscription::Subscription;
 use crate::surface::{ChatKind, SurfaceId};
 use crate::table::Table;
 use crate::verdict::Verdict;
-use crate::wake::AgentQueue;
+use crate::wake::{AgentQueue, SettledItems};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
@@ -83,10 +83,8 @@ pub struct State {
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
-    /// (agent, item id) → (log time it settled, its settle order).
-    pub settled: Table<(String, String), (i64, u64)>,
-    /// (agent, settle order) → item id, oldest first, to forget the oldest.
-    pub settled_order: Table<(String, u64), String>,
+    /// Settled item ids per agent, oldest first, with their log time, for the duplicate check.
+    pub settled: SettledItems,
     pub verdicts: Table<u64, Verdict>,
     /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
     pub subscriptions: Table<AgentSurface, Subscription>,
@@ -195,7 +193,7 @@ state_tables! {
     6 => cursors,
     7 => queues,
     8 => settled,
-    9 => settled_order,
+    // 9 held the settle order before `settled` kept it in its key.
     10 => verdicts,
     11 => subscriptions,
     12 => chat_identities,

@@ -1,13 +1,15 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+use crate::intern::AgentKey;
 use crate::journal::RowMeta;
 use crate::subscription::AttentionNote;
 use crate::surface::SurfaceId;
+use crate::table::Table;
 
 /// Queued items per agent. An observation that would queue more is recorded without a wake
 /// (its verdict says so) rather than growing the queue without bound.
@@ -181,6 +183,87 @@ impl AgentQueue {
     }
 }
 
+/// (agent, settle order).
+pub type SettleOrder = (AgentKey, u64);
+/// (item id, log time it settled).
+pub type SettledItem = (String, i64);
+
+/// Settled item ids per agent in settle order, with a lookup by id: the duplicate check of every
+/// new wake (DESIGN §4.5: settled in the last 14 days, at most [`SETTLED_REMEMBERED_MAX`] per
+/// agent). Several items can settle at one log position (a claim settles covered items on its
+/// way), so the order is a per-agent counter ([`AgentQueue::settled_counter`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SettledItems {
+    /// (agent, settle order) → (item id, log time it settled); oldest first per agent. Persisted.
+    by_order: Table<SettleOrder, SettledItem>,
+    /// Agent → item id → its settle order. Derived from `by_order` (rebuilt when a checkpoint
+    /// loads), only looked up, never iterated.
+    orders: HashMap<AgentKey, HashMap<String, u64>>,
+}
+
+impl SettledItems {
+    /// Log time `item_id` last settled for `agent`, if it is still remembered.
+    pub fn settled_at(&self, agent: AgentKey, item_id: &str) -> Option<i64> {
+        let order = self.orders.get(&agent)?.get(item_id)?;
+        self.by_order.get(&(agent, *order)).map(|(_, at_ns)| *at_ns)
+    }
+
+    /// Remembers that `item_id` settled at `at_ns`, as the agent's newest. Returns whether it
+    /// was remembered already: its older entry is then replaced, not kept twice.
+    fn insert(&mut self, agent: AgentKey, order: u64, item_id: &str, at_ns: i64) -> bool {
+        let previous = self.orders.entry(agent).or_default().insert(item_id.to_owned(), order);
+        if let Some(previous) = previous {
+            self.by_order.remove(&(agent, previous));
+        }
+        self.by_order.insert((agent, order), (item_id.to_owned(), at_ns));
+        previous.is_some()
+    }
+
+    /// Forgets the agent's oldest settled id.
+    fn forget_oldest(&mut self, agent: AgentKey) {
+        let oldest =
+            self.by_order.range((agent, 0)..=(agent, u64::MAX)).next().map(|(key, (id, _))| (*key, id.clone()));
+        if let Some((key, id)) = oldest {
+            self.by_order.remove(&key);
+            if let Some(ids) = self.orders.get_mut(&agent) {
+                ids.remove(&id);
+            }
+        }
+    }
+
+    /// The remembered settled ids of `agent`, oldest first.
+    pub fn ids_of(&self, agent: AgentKey) -> impl Iterator<Item = &str> {
+        self.by_order.range((agent, 0)..=(agent, u64::MAX)).map(|(_, (id, _))| id.as_str())
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&SettleOrder, &SettledItem)> {
+        self.by_order.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_order.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_order.is_empty()
+    }
+
+    /// Entries changed since the last call (`None`: removed).
+    pub fn drain_changes(&mut self) -> Vec<(SettleOrder, Option<&SettledItem>)> {
+        self.by_order.drain_changes()
+    }
+
+    /// Loads an entry from a checkpoint; not marked changed.
+    pub fn load(&mut self, key: SettleOrder, value: SettledItem) {
+        self.orders.entry(key.0).or_default().insert(value.0.clone(), key.1);
+        self.by_order.load(key, value);
+    }
+
+    pub fn changed_len(&self) -> usize {
+        self.by_order.changed_len()
+    }
+}
+
 use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
@@ -191,8 +274,8 @@ impl State {
     /// Queues `item` unless its id is active, queued, or settled within the remembered window.
     /// Returns the reason when it was queued.
     pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Option<WakeReason> {
-        let settled_key = (agent.to_owned(), item.id.clone());
-        if let Some(&(settled_at, _)) = self.settled.get(&settled_key) {
+        let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled.settled_at(agent, &item.id));
+        if let Some(settled_at) = settled_at {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
                 return None;
             }
@@ -214,29 +297,17 @@ impl State {
     /// so the order is a per-agent counter, and a settled entry is only forgotten by the order
     /// entry that wrote it (an id settled again later keeps its newer entry).
     fn remember_settled(&mut self, at: LogPosition, agent: &str, item_id: &str) {
+        let agent_key = self.agent_keys.intern(agent);
         let queue = self.queues.entry_or_default(agent.to_owned());
         let order = queue.settled_counter;
         queue.settled_counter += 1;
-        match self.settled.insert((agent.to_owned(), item_id.to_owned()), (at.at_ns, order)) {
-            // Settled again: its older order entry no longer counts.
-            Some((_, previous_order)) => {
-                self.settled_order.remove(&(agent.to_owned(), previous_order));
-            }
-            None => self.queues.entry_or_default(agent.to_owned()).settled_remembered += 1,
+        // Settled again: its older entry is replaced and the count stays.
+        if !self.settled.insert(agent_key, order, item_id, at.at_ns) {
+            queue.settled_remembered += 1;
         }
-        self.settled_order.insert((agent.to_owned(), order), item_id.to_owned());
-        let queue = self.queues.entry_or_default(agent.to_owned());
         if queue.settled_remembered as usize > SETTLED_REMEMBERED_MAX {
             queue.settled_remembered -= 1;
-            let oldest = self
-                .settled_order
-                .range((agent.to_owned(), 0)..=(agent.to_owned(), u64::MAX))
-                .next()
-                .map(|(key, id)| (key.clone(), id.clone()));
-            if let Some(((_, oldest_order), id)) = oldest {
-                self.settled_order.remove(&(agent.to_owned(), oldest_order));
-                self.settled.remove(&(agent.to_owned(), id));
-            }
+            self.settled.forget_oldest(agent_key);
         }
     }
 

@@ -545,13 +545,14 @@ fn after_a_stale_start_the_covered_items_settle_without_a_turn() {
 fn items_settled_by_one_claim_are_each_remembered_in_order() {
     let given = [a_hold_moved_the_cursor_after_the_claim(), vec![start("anna", "w1"), claim("anna", "w1")]].concat();
     let log = TestLog::with(&given);
-    let settled: Vec<&String> =
-        log.state.settled.iter().filter(|((a, _), _)| a == "anna").map(|((_, id), _)| id).collect();
-    let mut ordered: Vec<&String> =
-        log.state.settled_order.iter().filter(|((a, _), _)| a == "anna").map(|(_, id)| id).collect();
-    ordered.sort();
+    let anna = log.state.agent_keys.key("anna").unwrap();
+    let settled: Vec<&str> = log.state.settled.ids_of(anna).collect();
     assert_eq!(settled.len(), 3, "{settled:?}");
-    assert_eq!(ordered, settled, "every remembered settled id must be in the eviction order");
+    let remembered = log.state.queue("anna").unwrap().settled_remembered;
+    assert_eq!(remembered, 3, "the bound's count must be what is remembered");
+    for id in settled {
+        assert!(log.state.settled.settled_at(anna, id).is_some(), "{id} is remembered and found by id");
+    }
 }
 
 #[test]
