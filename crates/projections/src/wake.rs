@@ -2,6 +2,7 @@
 //! time, and the plans that claims prepare and starts apply.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
 
 use serde::{Deserialize, Serialize};
 
@@ -120,6 +121,38 @@ pub struct AgentQueue {
     /// only looked up, never iterated.
     #[serde(skip)]
     queued_ids: HashSet<String>,
+    /// What the coalescing of every accepted start looks at, per queued item in queue order:
+    /// scanning these small entries instead of the items keeps that scan in cache. Derived like
+    /// `queued_ids`.
+    #[serde(skip)]
+    coverage: VecDeque<Coverage>,
+}
+
+/// Whether a start's cursors cover a queued item: its trigger surface (a fingerprint first, the
+/// surface itself on a match), its trigger ordinal, and whether it resumes after a restart
+/// (never settled without a turn).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Coverage {
+    surface_fingerprint: u64,
+    trigger_ordinal: u64,
+    resume_after_restart: bool,
+}
+
+impl Coverage {
+    fn of(item: &WakeItem) -> Self {
+        Coverage {
+            surface_fingerprint: surface_fingerprint(&item.trigger_surface),
+            trigger_ordinal: item.trigger.ordinal,
+            resume_after_restart: item.resume_after_restart,
+        }
+    }
+}
+
+/// A hash of a surface with fixed keys. Only compared in memory, never persisted.
+fn surface_fingerprint(surface: &SurfaceId) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    surface.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The persisted fields of [`AgentQueue`], in its order.
@@ -134,12 +167,14 @@ struct AgentQueueFields {
 impl From<AgentQueueFields> for AgentQueue {
     fn from(fields: AgentQueueFields) -> Self {
         let queued_ids = fields.queued.iter().map(|item| item.id.clone()).collect();
+        let coverage = fields.queued.iter().map(Coverage::of).collect();
         AgentQueue {
             queued: fields.queued,
             active: fields.active,
             settled_remembered: fields.settled_remembered,
             settled_counter: fields.settled_counter,
             queued_ids,
+            coverage,
         }
     }
 }
@@ -157,29 +192,59 @@ impl AgentQueue {
 
     pub(crate) fn push_back(&mut self, item: WakeItem) {
         self.queued_ids.insert(item.id.clone());
+        self.coverage.push_back(Coverage::of(&item));
         self.queued.push_back(item);
     }
 
     pub(crate) fn push_front(&mut self, item: WakeItem) {
         self.queued_ids.insert(item.id.clone());
+        self.coverage.push_front(Coverage::of(&item));
         self.queued.push_front(item);
     }
 
     pub(crate) fn remove(&mut self, index: usize) -> Option<WakeItem> {
         let item = self.queued.remove(index)?;
+        self.coverage.remove(index);
         self.queued_ids.remove(&item.id);
         Some(item)
     }
 
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(&WakeItem) -> bool) {
+        let kept: Vec<bool> = self.queued.iter().map(&mut keep).collect();
+        let mut position = 0;
+        self.coverage.retain(|_| {
+            position += 1;
+            kept[position - 1]
+        });
         let queued_ids = &mut self.queued_ids;
+        let mut position = 0;
         self.queued.retain(|item| {
-            let kept = keep(item);
-            if !kept {
+            position += 1;
+            if !kept[position - 1] {
                 queued_ids.remove(&item.id);
             }
-            kept
+            kept[position - 1]
         });
+    }
+
+    /// Positions of the queued items that `moved` cursors cover, in queue order: not resuming
+    /// after a restart, and a moved cursor of their trigger surface at or past their trigger.
+    fn covered_positions(&self, moved: &[(&SurfaceId, u64)]) -> Vec<usize> {
+        let moved: Vec<(u64, &SurfaceId, u64)> =
+            moved.iter().map(|(surface, cursor)| (surface_fingerprint(surface), *surface, *cursor)).collect();
+        self.coverage
+            .iter()
+            .enumerate()
+            .filter(|(position, coverage)| {
+                !coverage.resume_after_restart
+                    && moved.iter().any(|(fingerprint, surface, cursor)| {
+                        coverage.surface_fingerprint == *fingerprint
+                            && *cursor >= coverage.trigger_ordinal
+                            && **surface == self.queued[*position].trigger_surface
+                    })
+            })
+            .map(|(position, _)| position)
+            .collect()
     }
 }
 
@@ -538,23 +603,19 @@ impl State {
         let moved: Vec<(&SurfaceId, u64)> =
             plan.iter().filter_map(|p| self.cursor(agent, &p.surface).map(|c| (&p.surface, c))).collect();
         let Some(queue) = self.queues.get(&agent.to_owned()) else { return Vec::new() };
-        let covered: Vec<String> = queue
-            .queued
-            .iter()
-            .filter(|item| {
-                !item.resume_after_restart
-                    && moved
-                        .iter()
-                        .any(|(surface, cursor)| *surface == &item.trigger_surface && *cursor >= item.trigger.ordinal)
-            })
-            .map(|item| item.id.clone())
-            .collect();
-        if covered.is_empty() {
-            return covered;
+        let positions = queue.covered_positions(&moved);
+        if positions.is_empty() {
+            return Vec::new();
         }
-        let covered_set: std::collections::BTreeSet<&str> = covered.iter().map(String::as_str).collect();
+        let covered: Vec<String> = positions.iter().map(|p| queue.queued[*p].id.clone()).collect();
         if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-            queue.retain(|item| !covered_set.contains(item.id.as_str()));
+            let mut position = 0;
+            let mut covered_positions = positions.iter().peekable();
+            queue.retain(|_| {
+                let is_covered = covered_positions.next_if_eq(&&position).is_some();
+                position += 1;
+                !is_covered
+            });
         }
         for id in &covered {
             self.remember_settled(at, agent, id);
