@@ -65,11 +65,18 @@ impl Sink for ByteCount {
 
 fn escaped_char_len(c: char) -> usize {
     match c {
-        '\n' | '\t' => 1,
+        // Printable ASCII, most of any message: checked first.
+        ' '..='~' | '\n' | '\t' => 1,
         '\r' => 2,
-        c if c.is_control() || is_invisible_format(c) => format!("\\u{{{:x}}}", c as u32).len(),
+        // `\u{` + hex digits + `}`, as `put_escaped_char` writes it.
+        c if c.is_control() || is_invisible_format(c) => 4 + hex_digits(c as u32),
         c => c.len_utf8(),
     }
+}
+
+/// Digits of `n` in lowercase hex without leading zeros (`0` has one).
+fn hex_digits(n: u32) -> usize {
+    (32 - n.max(1).leading_zeros()).div_ceil(4) as usize
 }
 
 /// Bidi overrides and zero-width characters can make a line look like something it is not.
@@ -79,7 +86,7 @@ fn is_invisible_format(c: char) -> bool {
 
 fn put_escaped_char(out: &mut impl Sink, c: char) {
     match c {
-        '\n' | '\t' => out.put_char(c),
+        ' '..='~' | '\n' | '\t' => out.put_char(c),
         '\r' => out.put("\\r"),
         c if c.is_control() || is_invisible_format(c) => out.put(&format!("\\u{{{:x}}}", c as u32)),
         c => out.put_char(c),
@@ -342,10 +349,20 @@ pub struct RowSizes {
     pub body_bytes: usize,
 }
 
+/// Bytes of [`put_row_head`]'s output, counted without formatting it.
+fn row_head_bytes(meta: &RowMeta) -> usize {
+    // `[#` ordinal ` ` time `] `; the time is `YYYY-MM-DD HH:MM:SS UTC` in years 0 to 9999.
+    const TIME_BYTES: usize = "1970-01-01 00:00:00 UTC".len();
+    const YEAR_10000_SECONDS: i64 = 253_402_300_800;
+    let time_bytes =
+        if (0..YEAR_10000_SECONDS).contains(&meta.ts_seconds) { TIME_BYTES } else { format_utc(meta.ts_seconds).len() };
+    let ordinal_digits = meta.ordinal.checked_ilog10().map_or(1, |log| log as usize + 1);
+    "[#".len() + ordinal_digits + " ".len() + time_bytes + "] ".len()
+}
+
 /// Sizes of a row as rendered for a reader that does not own it, each part counted once.
 pub fn row_sizes(meta: &RowMeta, body: &RowBody) -> RowSizes {
-    let mut head = ByteCount::default();
-    put_row_head(&mut head, meta);
+    let head = ByteCount(row_head_bytes(meta));
     let mut sender = ByteCount::default();
     put_sender(&mut sender, meta, body, None);
     let body_bytes = body_bytes(body);
@@ -725,6 +742,16 @@ mod tests {
     }
 
     #[test]
+    fn escaped_sizes_are_the_written_sizes() {
+        let mut out = String::new();
+        for c in (0..=u32::from(char::MAX)).filter_map(char::from_u32) {
+            out.clear();
+            put_escaped_char(&mut out, c);
+            assert_eq!(escaped_char_len(c), out.len(), "{c:?}");
+        }
+    }
+
+    #[test]
     fn clipping_never_splits_a_code_point() {
         let text = "a".repeat(MESSAGE_CLIP_BYTES - 3) + "😀😀";
         let mut out = String::new();
@@ -744,8 +771,12 @@ mod tests {
             user_name in "[a-z \u{202e}]{0,8}",
             user_id in "[A-Z0-9]{0,6}",
             files in proptest::collection::vec("[a-z.\n]{0,12}", 0..13),
-            ordinal in 0u64..100_000,
-            ts_seconds in -10_000_000_000i64..10_000_000_000,
+            ordinal in proptest::prop_oneof![0u64..100_000, proptest::num::u64::ANY],
+            ts_seconds in proptest::prop_oneof![
+                -10_000_000_000i64..10_000_000_000,
+                253_402_300_700i64..253_402_300_900,
+                -1_000_000_000_000i64..1_000_000_000_000,
+            ],
         ) {
             let body = RowBody {
                 text,
@@ -754,6 +785,7 @@ mod tests {
                     .into_iter()
                     .map(|name| crate::proto::SlackFile { name, size_bytes: 7 })
                     .collect(),
+                ..RowBody::default()
             };
             let meta = RowMeta {
                 ordinal,
