@@ -410,6 +410,7 @@ impl MixGenerator {
                 text,
                 files: Vec::new(),
                 user_name: format!("Agent {agent}"),
+                previews: Vec::new(),
             };
             self.counts.messages_agent_echo += 1;
             self.deliver(echo);
@@ -453,7 +454,12 @@ impl MixGenerator {
         let worker = format!("worker-{agent}-{}", self.random.below(2));
         match std::mem::replace(&mut self.wakes[agent], WakeProgress::Idle) {
             WakeProgress::Idle => {
-                let claim = proto::WakeClaimRequested { agent_id, worker_id: worker.clone(), item_id: String::new() };
+                let claim = proto::WakeClaimRequested {
+                    agent_id,
+                    worker_id: worker.clone(),
+                    item_id: String::new(),
+                    memory_md_bytes: 0,
+                };
                 match self.emit(Payload::WakeClaim(claim)) {
                     Some(Verdict::Claim(ClaimVerdict::Claimed(claimed))) => {
                         self.counts.claims_claimed += 1;
@@ -511,6 +517,8 @@ impl MixGenerator {
                         "runtime restarted".into()
                     },
                     restart_drain,
+                    memory_digest_before: Vec::new(),
+                    memory_digest_after: Vec::new(),
                 };
                 if let Some(Verdict::Finished { .. }) = self.emit(Payload::WakeFinish(finish)) {
                     self.counts.finishes += 1;

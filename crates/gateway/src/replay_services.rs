@@ -491,6 +491,21 @@ impl api::analytics_server::Analytics for ReplayServices {
     }
 }
 
+/// One line for an agent's memory-pass gate.
+fn describe_memory_gate(gate: &anima_projections::memory::MemoryGate) -> String {
+    let last = gate.last_outcome.as_ref().map_or_else(
+        || "none".to_owned(),
+        |o| format!("{} {} at seq {}", o.pass_id, o.outcome.as_str(), o.finished_seq),
+    );
+    format!(
+        "newest history at seq {}, newest outcome at seq {} ({}); newest window-day queued: {}; last outcome: {last}",
+        gate.newest_history_seq,
+        gate.newest_outcome_seq,
+        if gate.eligible() { "eligible" } else { "not eligible" },
+        if gate.last_window_day.is_empty() { "none" } else { gate.last_window_day.as_str() },
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use anima_projections::redact::Redactor;
@@ -534,19 +549,4 @@ mod tests {
         assert_eq!(live_verdict(Some(&verdict), None, true), "not kept");
         assert_eq!(live_verdict(Some(&verdict), None, false), "not applied yet");
     }
-}
-
-/// One line for an agent's memory-pass gate.
-fn describe_memory_gate(gate: &anima_projections::memory::MemoryGate) -> String {
-    let last = gate.last_outcome.as_ref().map_or_else(
-        || "none".to_owned(),
-        |o| format!("{} {} at seq {}", o.pass_id, o.outcome.as_str(), o.finished_seq),
-    );
-    format!(
-        "newest history at seq {}, newest outcome at seq {} ({}); newest window-day queued: {}; last outcome: {last}",
-        gate.newest_history_seq,
-        gate.newest_outcome_seq,
-        if gate.eligible() { "eligible" } else { "not eligible" },
-        if gate.last_window_day.is_empty() { "none" } else { gate.last_window_day.as_str() },
-    )
 }
