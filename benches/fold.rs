@@ -389,7 +389,7 @@ impl MixGenerator {
             kind: proto::SendKind::Message as i32,
             ts: ts.clone(),
             text: text.clone(),
-            files: Vec::new(),
+            ..Default::default()
         };
         self.emit(Payload::SendConfirmed(confirmation));
         self.counts.confirms += 1;
@@ -408,9 +408,8 @@ impl MixGenerator {
                 user_id: identity.bot_user_id.clone(),
                 bot_id: identity.bot_id.clone(),
                 text,
-                files: Vec::new(),
                 user_name: format!("Agent {agent}"),
-                previews: Vec::new(),
+                ..Default::default()
             };
             self.counts.messages_agent_echo += 1;
             self.deliver(echo);
@@ -454,12 +453,7 @@ impl MixGenerator {
         let worker = format!("worker-{agent}-{}", self.random.below(2));
         match std::mem::replace(&mut self.wakes[agent], WakeProgress::Idle) {
             WakeProgress::Idle => {
-                let claim = proto::WakeClaimRequested {
-                    agent_id,
-                    worker_id: worker.clone(),
-                    item_id: String::new(),
-                    memory_md_bytes: 0,
-                };
+                let claim = proto::WakeClaimRequested { agent_id, worker_id: worker.clone(), ..Default::default() };
                 match self.emit(Payload::WakeClaim(claim)) {
                     Some(Verdict::Claim(ClaimVerdict::Claimed(claimed))) => {
                         self.counts.claims_claimed += 1;
@@ -517,8 +511,7 @@ impl MixGenerator {
                         "runtime restarted".into()
                     },
                     restart_drain,
-                    memory_digest_before: Vec::new(),
-                    memory_digest_after: Vec::new(),
+                    ..Default::default()
                 };
                 if let Some(Verdict::Finished { .. }) = self.emit(Payload::WakeFinish(finish)) {
                     self.counts.finishes += 1;

@@ -5,19 +5,34 @@
 //! * `jetstream_append` — `JetStreamLog::append_batch` next to raw pipelined async-nats publishes.
 //! * `send_decision` — `Sends.Send` latency over gRPC on loopback JetStream next to one raw
 //!   JetStream publish-and-ack round trip.
+//! * `claim_start` — `Wakes.Claim` and `Wakes.Start` latency over gRPC on loopback JetStream,
+//!   next to the same raw round trip.
+//! * `wake_render` — `render_wake_text` over realistic claimed wakes next to a copy of the same
+//!   bytes.
+//! * `memory_tick` — the memory-pass scheduler's plan over 10,000 agents next to computing their
+//!   slot offsets alone.
+//! * `rebuild_embedded`, `rebuild_jetstream` — a rebuild of all projections from a long log
+//!   (`REBUILD_EVENTS`, default 1,000,000) next to a raw read of it, and a restart from a
+//!   checkpoint next to that rebuild. They run only when a filter names them (minutes each at the
+//!   default size): `cargo bench -p anima-benches -- rebuild`.
 //!
 //! Absolute figures drift ±30% between runs on these machines (FIELD-NOTES.md), so every IO
 //! benchmark runs its raw baseline in the same run and prints the ratio, measured interleaved
 //! with the engine path after criterion's own runs. Each group prints one summary line; all of
 //! them are repeated at the end. Run with `cargo bench -p anima-benches`
-//! (about a minute of measuring after the build), or `cargo bench -p anima-benches -- --test`
+//! (about two minutes of measuring after the build), or `cargo bench -p anima-benches -- --test`
 //! to run every routine once. Fixtures (nats-server, the gateway) start lazily, so a filter such
 //! as `cargo bench -p anima-benches -- fold` starts nothing it does not need.
 
 mod append;
+mod claim_latency;
 mod fold;
+mod loopback_gateway;
 mod measure;
+mod memory_tick;
+mod rebuild;
 mod send_latency;
+mod wake_render;
 
 use std::time::Duration;
 
@@ -25,7 +40,7 @@ use criterion::Criterion;
 
 /// Warm-up per benchmark.
 const WARM_UP: Duration = Duration::from_secs(1);
-/// Measurement per benchmark: eight benchmarks keep the whole run near a minute.
+/// Measurement per benchmark: eleven criterion benchmarks keep the whole run near two minutes.
 const MEASUREMENT: Duration = Duration::from_secs(4);
 /// Worker threads of the runtime that drives the IO benchmarks (the machines have two cores).
 const RUNTIME_WORKER_THREADS: usize = 2;
@@ -55,6 +70,12 @@ fn main() {
     report(append::bench_embedded(&mut criterion, &runtime, test_mode));
     report(append::bench_jetstream(&mut criterion, &runtime, test_mode));
     report(send_latency::bench(&mut criterion, &runtime, test_mode));
+    report(claim_latency::bench(&mut criterion, &runtime, test_mode));
+    report(wake_render::bench(&mut criterion, test_mode));
+    report(memory_tick::bench(&mut criterion, test_mode));
+    for line in rebuild::bench(&runtime, test_mode) {
+        report(Some(line));
+    }
 
     criterion.final_summary();
     if !summary.is_empty() {

@@ -151,3 +151,82 @@ impl SplitMix64 {
         )
     }
 }
+
+/// Criterion options that take a value: their value is not the filter.
+const CRITERION_OPTIONS_WITH_VALUE: [&str; 20] = [
+    "-c",
+    "--color",
+    "-s",
+    "--save-baseline",
+    "-b",
+    "--baseline",
+    "--baseline-lenient",
+    "--format",
+    "--profile-time",
+    "--load-baseline",
+    "--sample-size",
+    "--warm-up-time",
+    "--measurement-time",
+    "--nresamples",
+    "--noise-threshold",
+    "--confidence-level",
+    "--significance-level",
+    "--plotting-backend",
+    "--output-format",
+    "-n",
+];
+
+/// Whether the harness's filter argument names the benchmark `name`, for benchmarks that run
+/// outside criterion's sampling (a rebuild of a million events takes long enough that criterion's
+/// ten samples plus warm-up would multiply the run by eleven). Only an explicit filter selects
+/// them: a run without one skips them. The filter is matched as criterion matches plain words (a
+/// substring, or the whole name with `--exact`); `a|b` alternatives are understood, other regex
+/// syntax is not.
+pub fn filter_selects(name: &str) -> bool {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let exact = args.iter().any(|arg| arg == "--exact");
+    let mut filter = None;
+    let mut skip_value = false;
+    for arg in &args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        if arg.starts_with('-') {
+            skip_value = !arg.contains('=') && CRITERION_OPTIONS_WITH_VALUE.contains(&arg.as_str());
+            continue;
+        }
+        filter = Some(arg.as_str());
+        break;
+    }
+    let Some(filter) = filter else { return false };
+    if exact {
+        return filter == name;
+    }
+    filter.split('|').any(|alternative| name.contains(alternative))
+}
+
+/// A count from the environment variable `name`, `default` when unset; a value that does not
+/// parse (digits, `_` allowed as a separator) is a mistake worth stopping for.
+pub fn env_count(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(value) => value
+            .replace('_', "")
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a count like 1000000 or 1_000_000")),
+        Err(_) => default,
+    }
+}
+
+/// CPU time of the whole process so far (every thread, user and system), from `/proc/self/stat`
+/// in clock ticks of 10 ms (Linux's `USER_HZ`). For multi-threaded runs on a shared machine:
+/// wall time over CPU time shows how much of a run was spent waiting for a core. `None` where the
+/// file is missing.
+pub fn process_cpu_time() -> Option<Duration> {
+    const TICK: Duration = Duration::from_millis(10);
+    let text = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at state, field 3.
+    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
+    let user: u32 = fields.get(11)?.parse().ok()?;
+    let system: u32 = fields.get(12)?.parse().ok()?;
+    Some(TICK * (user + system))
+}

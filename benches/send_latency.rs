@@ -1,9 +1,8 @@
 //! Send decision latency over gRPC on loopback JetStream, next to the raw JetStream round trip
 //! it is built on.
 //!
-//! A gateway runs in-process (`anima_gateway::server::start`) on a JetStream stream of a
-//! `nats-server` started for the benchmark. One agent is configured; a few DM messages are
-//! ingested, and a wake is claimed, started and finished so the agent has a cursor on the DM.
+//! On the [`LoopbackGateway`] (a gateway in-process on loopback JetStream, one agent configured)
+//! a few DM messages are ingested, and a wake is claimed, started and finished so the agent has a cursor on the DM.
 //! Then sequential `Sends.Send` calls to that DM are timed one by one: every fourth is preceded
 //! (untimed) by a new human message, so it is held and its notice rendered; the others are
 //! allowed. One `Send` is a gRPC round trip, one JetStream publish and ack, the runner's follow
@@ -16,10 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use anima_engine::testing::NatsServer;
-use anima_gateway::api::{self, ingest_client::IngestClient, sends_client::SendsClient, wakes_client::WakesClient};
-use anima_gateway::config::Config;
-use anima_gateway::server::RunningServer;
+use anima_gateway::api::{self, sends_client::SendsClient, wakes_client::WakesClient};
 use anima_projections::proto::{self, envelope::Payload};
 use bytes::Bytes;
 use criterion::{Criterion, SamplingMode};
@@ -27,12 +23,9 @@ use prost::Message;
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
+use crate::loopback_gateway::{dm_target, LoopbackGateway, AGENT};
 use crate::measure::{interleave, micros, percentile, Side};
 
-const AGENT: &str = "agent-bench";
-const TEAM: &str = "T0AB12CD3";
-const DM: &str = "D0BENCH01";
-const HUMAN: &str = "U00000042";
 /// DM messages ingested before the first send.
 const MESSAGES_BEFORE: usize = 5;
 /// Every this many sends, one is preceded by a new human message and is held.
@@ -40,73 +33,16 @@ const HELD_EVERY: u64 = 4;
 /// Interleaved send/publish pairs behind the printed percentiles (`--test`: a few).
 const ROUNDS: usize = 1_000;
 const QUICK_ROUNDS: usize = 8;
-/// The baseline's own stream, so its publishes never reach the engine's fold.
-const RAW_STREAM: &str = "BENCH_RAW";
-const RAW_SUBJECT: &str = "bench.raw.send";
 
 struct SendFixture {
     sends: SendsClient<Channel>,
-    ingest: IngestClient<Channel>,
-    raw: async_nats::jetstream::Context,
-    raw_payload: Bytes,
-    server: RunningServer,
+    gateway: LoopbackGateway,
     sends_made: u64,
-    messages_made: u64,
-    raw_made: u64,
-    _data: tempfile::TempDir,
-    // Dropped last: stops nats-server.
-    _nats: NatsServer,
-}
-
-fn dm_target() -> proto::ReplyTarget {
-    proto::ReplyTarget {
-        target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
-            team_id: TEAM.into(),
-            channel_id: DM.into(),
-            thread_ts: String::new(),
-        })),
-    }
 }
 
 impl SendFixture {
     async fn start() -> SendFixture {
-        let nats = NatsServer::start();
-        let data = tempfile::Builder::new().prefix("anima-bench-gateway-").tempdir().expect("temporary directory");
-        // Written as an operator would, so fields the config gains later keep their defaults.
-        let config: Config = toml::from_str(&format!(
-            r#"
-            listen = "127.0.0.1:0"
-            data = {data:?}
-            nats = {nats:?}
-
-            [[agents]]
-            id = "{AGENT}"
-            slack_bot_user_id = "UBENCH001"
-            slack_bot_id = "BBENCH001"
-            display_name = "Bench agent"
-            "#,
-            data = data.path().join("engine").display().to_string(),
-            nats = nats.url(),
-        ))
-        .expect("the benchmark's gateway config parses");
-        let server = anima_gateway::server::start(config).await.expect("start the gateway");
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr))
-            .expect("endpoint")
-            .connect()
-            .await
-            .expect("connect to the gateway");
-
-        let client = async_nats::connect(nats.url()).await.expect("connect raw client");
-        let raw = async_nats::jetstream::new(client);
-        raw.get_or_create_stream(async_nats::jetstream::stream::Config {
-            name: RAW_STREAM.into(),
-            subjects: vec!["bench.raw.>".into()],
-            storage: async_nats::jetstream::stream::StorageType::File,
-            duplicate_window: Duration::from_secs(600),
-            ..Default::default()
-        })
-        .await
-        .expect("create the baseline stream");
+        // The baseline publishes an encoded send request.
         let request = proto::Envelope {
             event_id: "0190f0e2-7a4e-7b1f-9c8e-61f0c4d2aa01".into(),
             occurred_at_ms: 0,
@@ -119,24 +55,12 @@ impl SendFixture {
                 draft_bytes: 512,
             })),
         };
-
-        let mut fixture = SendFixture {
-            sends: SendsClient::new(channel.clone()),
-            ingest: IngestClient::new(channel.clone()),
-            raw,
-            raw_payload: Bytes::from(request.encode_to_vec()),
-            server,
-            sends_made: 0,
-            messages_made: 0,
-            raw_made: 0,
-            _data: data,
-            _nats: nats,
-        };
+        let mut gateway = LoopbackGateway::start(Bytes::from(request.encode_to_vec())).await;
         for _ in 0..MESSAGES_BEFORE {
-            fixture.human_message().await;
+            gateway.human_message().await;
         }
         // Claim, start and finish a wake so the agent has a cursor on the DM.
-        let mut wakes = WakesClient::new(channel);
+        let mut wakes = WakesClient::new(gateway.channel.clone());
         let wake = wakes
             .claim(api::ClaimRequest { agent_id: AGENT.into(), worker_id: "worker-1".into(), ..Default::default() })
             .await
@@ -164,30 +88,7 @@ impl SendFixture {
             })
             .await
             .expect("finish");
-        fixture
-    }
-
-    /// A human writes in the DM.
-    async fn human_message(&mut self) {
-        self.messages_made += 1;
-        let message = api::SlackMessage {
-            receiving_agent_ids: vec![AGENT.into()],
-            kind: proto::SlackDeliveryKind::Message as i32,
-            team_id: TEAM.into(),
-            channel_id: DM.into(),
-            ts: format!("1700000000.{:06}", self.messages_made),
-            user_id: HUMAN.into(),
-            user_name: "Person 42".into(),
-            text: "can you look at the failing deploy on staging? the logs say the migration timed out".into(),
-            ..Default::default()
-        };
-        self.ingest
-            .append(api::AppendRequest {
-                correlation_id: self.messages_made.to_string(),
-                observation: Some(api::append_request::Observation::SlackMessage(message)),
-            })
-            .await
-            .expect("ingest a DM message");
+        SendFixture { sends: SendsClient::new(gateway.channel.clone()), gateway, sends_made: 0 }
     }
 
     /// One timed `Send`, and whether it was held; a held send first gets a new message in the DM
@@ -196,7 +97,7 @@ impl SendFixture {
         self.sends_made += 1;
         let expect_held = self.sends_made.is_multiple_of(HELD_EVERY);
         if expect_held {
-            self.human_message().await;
+            self.gateway.human_message().await;
         }
         let request = api::SendRequest {
             agent_id: AGENT.into(),
@@ -211,24 +112,6 @@ impl SendFixture {
         let held = matches!(response.verdict, Some(api::send_response::Verdict::Held(_)));
         assert_eq!(held, expect_held, "send {} verdict {:?}", self.sends_made, response.verdict);
         (elapsed, held)
-    }
-
-    /// One timed JetStream publish awaiting its ack.
-    async fn timed_publish(&mut self) -> Duration {
-        self.raw_made += 1;
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", format!("raw-{:032}", self.raw_made));
-        let started = Instant::now();
-        let ack = self
-            .raw
-            .publish_with_headers(RAW_SUBJECT, headers, self.raw_payload.clone())
-            .await
-            .expect("publish")
-            .await
-            .expect("ack");
-        let elapsed = started.elapsed();
-        assert!(!ack.duplicate);
-        elapsed
     }
 }
 
@@ -256,7 +139,7 @@ pub fn bench(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Option<String
             runtime.block_on(async {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    total += fixture.timed_publish().await;
+                    total += fixture.gateway.timed_publish().await;
                 }
                 total
             })
@@ -275,12 +158,12 @@ pub fn bench(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Option<String
             if was_held { &mut held } else { &mut allowed }.push(elapsed);
             elapsed
         }
-        Side::Raw => runtime.block_on(fixture.timed_publish()),
+        Side::Raw => runtime.block_on(fixture.gateway.timed_publish()),
     });
-    let SendFixture { sends, ingest, server, .. } = fixture;
+    let SendFixture { sends, gateway, .. } = fixture;
     // Close the client's connection first: shutdown waits for open connections.
-    drop((sends, ingest));
-    runtime.block_on(server.shutdown()).expect("gateway shutdown");
+    drop(sends);
+    gateway.shutdown(runtime);
 
     for latencies in [&mut runs.engine, &mut runs.raw, &mut held, &mut allowed] {
         latencies.sort_unstable();

@@ -12,14 +12,18 @@
 //! a JetStream stream directly (`--nats URL`), or goes through a server's gRPC API (`--api URL`,
 //! also the fallback when a running server locks the data dir) — and says which on stderr. Direct
 //! reads and the API share the conversions of [`crate::replay_services`], so both print the same.
-//! Long runs print a progress line to stderr every `--progress-every` events.
+//! Long runs show their progress on stderr (a bar on a terminal, plain lines otherwise; see
+//! [`progress`]).
+
+mod progress;
 
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use anima_engine::log::jetstream::JetStreamConfig;
-use anima_engine::replay::{DirectSource, ProgressFn, ReplayConfig, ReplayError, ReplayProgress, Replayer};
+use anima_engine::replay::{DirectSource, ReplayConfig, ReplayError, Replayer};
 use anima_projections::proto::EVENTS_DESCRIPTOR_SET;
 use anima_projections::time::format_utc;
 use anyhow::{bail, Context};
@@ -30,6 +34,7 @@ use tonic::metadata::{Ascii, MetadataValue};
 use tonic::transport::Channel;
 use tonic::Status;
 
+use self::progress::{BarSafeWriter, ProgressMode, ProgressReporter};
 use crate::api;
 use crate::replay_services;
 
@@ -55,9 +60,15 @@ pub struct ReplayArgs {
     /// Bearer token for --api (a replay or admin token).
     #[arg(long, env = "ANIMA_TOKEN", global = true, hide_env_values = true)]
     pub token: Option<String>,
-    /// Print a progress line to stderr every this many events.
-    #[arg(long, env = "ANIMA_PROGRESS_EVERY", default_value_t = 100_000, global = true)]
+    /// Progress on stderr: a bar on a terminal, plain lines otherwise (auto), or as named.
+    #[arg(long, env = "ANIMA_PROGRESS", value_enum, default_value = "auto", global = true)]
+    pub progress: ProgressMode,
+    /// Look at progress every this many events (how often the bar moves).
+    #[arg(long, env = "ANIMA_PROGRESS_EVERY", default_value_t = 10_000, global = true)]
     pub progress_every: u64,
+    /// Seconds between two plain progress lines.
+    #[arg(long, env = "ANIMA_PROGRESS_INTERVAL_SECS", default_value_t = 5, global = true)]
+    pub progress_interval_secs: u64,
     #[command(subcommand)]
     pub command: ReplayCommand,
 }
@@ -165,23 +176,14 @@ enum Source {
     Api { client: api::replay_client::ReplayClient<ApiChannel> },
 }
 
-fn progress_printer() -> ProgressFn {
-    Arc::new(|progress: ReplayProgress| {
-        let seconds = progress.elapsed.as_secs_f64().max(1e-9);
-        let rate = progress.events as f64 / seconds;
-        let left = progress.to_seq.saturating_sub(progress.seq) as f64;
-        let eta = if rate > 0.0 { left / rate } else { 0.0 };
-        eprintln!(
-            "replay: {} events, seq {} of {}, {:.0} events/s, about {:.0}s left",
-            progress.events, progress.seq, progress.to_seq, rate, eta
-        );
-    })
+fn progress_reporter(args: &ReplayArgs) -> Arc<ProgressReporter> {
+    ProgressReporter::new(args.progress, Duration::from_secs(args.progress_interval_secs))
 }
 
-fn replay_config(args: &ReplayArgs) -> ReplayConfig {
+fn replay_config(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> ReplayConfig {
     ReplayConfig {
         progress_every_events: args.progress_every.max(1),
-        progress: Some(progress_printer()),
+        progress: reporter.callback(),
         ..ReplayConfig::default()
     }
 }
@@ -215,14 +217,14 @@ async fn direct(args: &ReplayArgs) -> Result<DirectSource, ReplayError> {
 impl Source {
     /// The source the arguments name: the API if `--api`, else the log directly; a data dir
     /// locked by a running server falls back to the API at its default address.
-    async fn open(args: &ReplayArgs) -> anyhow::Result<Source> {
+    async fn open(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<Source> {
         if let Some(url) = &args.api {
             return connect_api(url, args.token.as_deref()).await;
         }
         match direct(args).await {
             Ok(source) => {
                 eprintln!("replay: reading the {}", source.description);
-                let replayer = Replayer::new(source.log.clone(), replay_config(args));
+                let replayer = Replayer::new(source.log.clone(), replay_config(args, reporter));
                 Ok(Source::Direct { _source: source, replayer })
             }
             Err(ReplayError::Locked { path }) => {
@@ -268,12 +270,21 @@ impl Source {
 
 /// Runs `anima-wake replay ...`. Output goes to stdout, progress and the source to stderr.
 pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    if let ReplayCommand::Verify = &args.command {
-        return verify(&args).await;
-    }
-    let source = Source::open(&args).await?;
+    let reporter = progress_reporter(&args);
+    let result = match &args.command {
+        ReplayCommand::Verify => verify(&args, &reporter).await,
+        _ => run_reading(&args, &reporter).await,
+    };
+    // Also when the command failed: the error is printed below the cleared bar.
+    reporter.finish();
+    result
+}
+
+/// The commands that read events or rebuild state: everything but `verify`.
+async fn run_reading(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<()> {
+    let source = Source::open(args, reporter).await?;
     let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut out = std::io::BufWriter::new(BarSafeWriter::new(stdout.lock(), reporter.clone()));
     match &args.command {
         ReplayCommand::Timeline(timeline) => {
             if timeline.selection.agent.is_none() && timeline.selection.surface.is_none() {
@@ -288,6 +299,7 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 shown += 1;
             }
             out.flush()?;
+            reporter.finish();
             eprintln!("replay: {shown} events");
         }
         ReplayCommand::State(state) => {
@@ -297,10 +309,12 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 surface: state.surface.clone().unwrap_or_default(),
             };
             let response = source.state_at(request).await?;
+            reporter.finish();
             write!(out, "{}", format_state(&response))?;
         }
         ReplayCommand::Explain(explain) => {
             let response = source.explain(explain.seq).await?;
+            reporter.finish();
             write!(out, "{}", format_explanation(&response))?;
         }
         ReplayCommand::Export(export) => {
@@ -319,16 +333,17 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
                 written += 1;
             }
             sink.flush()?;
+            reporter.finish();
             eprintln!("replay: exported {written} events");
             return Ok(());
         }
-        ReplayCommand::Verify => unreachable!("handled above"),
+        ReplayCommand::Verify => unreachable!("`run` runs verify itself"),
     }
     out.flush()?;
     Ok(())
 }
 
-async fn verify(args: &ReplayArgs) -> anyhow::Result<()> {
+async fn verify(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<()> {
     if args.api.is_some() {
         bail!("verify reads the checkpoint in the data dir: run it without --api, with the server stopped");
     }
@@ -340,7 +355,9 @@ async fn verify(args: &ReplayArgs) -> anyhow::Result<()> {
         Err(e) => return Err(e.into()),
     };
     eprintln!("replay: verifying the {}", source.description);
-    let report = source.verify(replay_config(args)).await?;
+    let report = source.verify(replay_config(args, reporter)).await;
+    reporter.finish();
+    let report = report?;
     println!(
         "checkpoint at seq {} with {} entries; checkpoint sha256 {}, rebuilt sha256 {}",
         report.applied_seq, report.entries, report.checkpoint_sha256, report.rebuilt_sha256
@@ -717,6 +734,7 @@ pub fn format_state(state: &api::ReplayStateAtResponse) -> String {
         for subscription in &agent.subscriptions {
             out.push_str(&format!("    {subscription}\n"));
         }
+        out.push_str(&format!("  memory pass: {}\n", agent.memory_gate));
     }
     if let Some(surface) = &state.surface {
         out.push_str(&format!("surface {}: tail {}", surface.surface, surface.tail));
