@@ -129,16 +129,6 @@ impl State {
 
     fn observe_slack_message(&mut self, at: LogPosition, message: &proto::SlackMessageObserved) -> Verdict {
         let agent = message.receiving_agent_id.clone();
-        let not_journaled = |agent: String| {
-            Verdict::Journaled(JournalVerdict {
-                agent,
-                surface: None,
-                ordinal: 0,
-                duplicate_message: false,
-                wake: None,
-                route: None,
-            })
-        };
         let kind_ok = matches!(
             proto::SlackDeliveryKind::try_from(message.kind),
             Ok(proto::SlackDeliveryKind::Message | proto::SlackDeliveryKind::AppMention)
@@ -158,47 +148,29 @@ impl State {
             return not_journaled(agent);
         }
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-        let body = RowBody {
-            text: message.text.clone(),
-            user_name: message.user_name.clone(),
-            files: message.files.clone(),
-            previews: message.previews.clone(),
-        };
-        let owner = self.slack_owner(&message.user_id, &message.bot_id);
-        let surface_key = self.surfaces.intern(&surface);
-        let existing = self.identities.get(&(surface_key, message.ts.clone())).copied();
-        let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
-        let row = row_meta(at, ordinal, &message.ts, ts_seconds, &message.user_id, &message.bot_id, owner, &body);
-        if existing.is_none() {
-            self.journal_row(surface_key, row.clone());
-        }
-        let mut wake = None;
-        let mut route = None;
-        if self.agents.contains_key(&agent) {
-            if row.is_own(&agent) && existing.is_none() {
-                self.note_own_post(at, &agent, &surface, &message.ts);
-            }
-            let bot_user_id = self.agents.get(&agent).map(|a| a.slack_bot_user_id.clone()).unwrap_or_default();
-            let observed = Observed {
-                surface: &surface,
-                row: &row,
+        let app_mention = message.kind == proto::SlackDeliveryKind::AppMention as i32;
+        self.journal_and_route(
+            at,
+            Incoming {
+                agent,
+                owner: self.slack_owner(&message.user_id, &message.bot_id),
                 direct: surface.is_slack_dm(),
-                mentioned: message.kind == proto::SlackDeliveryKind::AppMention as i32
-                    || mentions(&message.text, &bot_user_id),
+                surface,
+                id: &message.ts,
+                ts_seconds,
+                user_id: &message.user_id,
+                bot_id: &message.bot_id,
+                body: RowBody {
+                    text: message.text.clone(),
+                    user_name: message.user_name.clone(),
+                    files: message.files.clone(),
+                    previews: message.previews.clone(),
+                },
+                mentions: &|record: &AgentRecord| app_mention || mentions(&message.text, &record.slack_bot_user_id),
                 is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
-                text: &message.text,
-            };
-            let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
-            (route, wake) = self.route_and_queue(at, &agent, &observed, &body, identity);
-        }
-        Verdict::Journaled(JournalVerdict {
-            agent,
-            surface: Some(surface),
-            ordinal,
-            duplicate_message: existing.is_some(),
-            wake,
-            route,
-        })
+                identity: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
+            },
+        )
     }
 
     fn confirm_send(&mut self, at: LogPosition, confirmation: &proto::SendConfirmed) -> Verdict {
@@ -264,16 +236,6 @@ impl State {
     /// like a Slack message — p2p chats as DMs.
     fn observe_chat_message(&mut self, at: LogPosition, message: &proto::ChatMessageObserved) -> Verdict {
         let agent = message.receiving_agent_id.clone();
-        let not_journaled = |agent: String| {
-            Verdict::Journaled(JournalVerdict {
-                agent,
-                surface: None,
-                ordinal: 0,
-                duplicate_message: false,
-                wake: None,
-                route: None,
-            })
-        };
         let Some(kind) = ChatKind::from_proto(message.chat_kind) else {
             return not_journaled(agent);
         };
@@ -292,17 +254,53 @@ impl State {
         if self.chat_kinds.get(&chat) != Some(&kind) {
             self.chat_kinds.insert(chat, kind);
         }
-        let body = RowBody {
-            text: message.text.clone(),
-            user_name: message.sender_name.clone(),
-            files: message.files.clone(),
-            previews: Vec::new(),
-        };
-        let owner = self.chat_identities.get(&message.sender_id).cloned();
+        self.journal_and_route(
+            at,
+            Incoming {
+                agent,
+                owner: self.chat_identities.get(&message.sender_id).cloned(),
+                direct: kind == ChatKind::P2p,
+                surface,
+                id: &message.message_id,
+                ts_seconds: log_seconds(at),
+                user_id: &message.sender_id,
+                bot_id: "",
+                body: RowBody {
+                    text: message.text.clone(),
+                    user_name: message.sender_name.clone(),
+                    files: message.files.clone(),
+                    previews: Vec::new(),
+                },
+                mentions: &|record: &AgentRecord| {
+                    !record.chat_user_id.is_empty() && message.mentioned_user_ids.contains(&record.chat_user_id)
+                },
+                is_bot: message.sender_is_bot,
+                identity: chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id),
+            },
+        )
+    }
+
+    /// Journals an incoming message once per identity on its surface, then, for a registered
+    /// receiving agent, notes its own post and routes it; one path for every platform.
+    fn journal_and_route(&mut self, at: LogPosition, incoming: Incoming<'_>) -> Verdict {
+        let Incoming {
+            agent,
+            surface,
+            id,
+            ts_seconds,
+            user_id,
+            bot_id,
+            owner,
+            body,
+            direct,
+            mentions,
+            is_bot,
+            identity,
+        } = incoming;
         let surface_key = self.surfaces.intern(&surface);
-        let existing = self.identities.get(&(surface_key, message.message_id.clone())).copied();
+        let existing = self.identities.get(&(surface_key, id.to_owned())).copied();
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
-        let row = row_meta(at, ordinal, &message.message_id, log_seconds(at), &message.sender_id, "", owner, &body);
+        let row = row_meta(at, ordinal, id, ts_seconds, user_id, bot_id, owner, &body);
         if existing.is_none() {
             self.journal_row(surface_key, row.clone());
         }
@@ -310,19 +308,16 @@ impl State {
         let mut route = None;
         if let Some(record) = self.agents.get(&agent).cloned() {
             if row.is_own(&agent) && existing.is_none() {
-                self.note_own_post(at, &agent, &surface, &message.message_id);
+                self.note_own_post(at, &agent, &surface, id);
             }
-            let mentioned =
-                !record.chat_user_id.is_empty() && message.mentioned_user_ids.contains(&record.chat_user_id);
             let observed = Observed {
                 surface: &surface,
                 row: &row,
-                direct: kind == ChatKind::P2p,
-                mentioned,
-                is_bot: message.sender_is_bot,
-                text: &message.text,
+                direct,
+                mentioned: mentions(&record),
+                is_bot,
+                text: &body.text,
             };
-            let identity = chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id);
             (route, wake) = self.route_and_queue(at, &agent, &observed, &body, identity);
         }
         Verdict::Journaled(JournalVerdict {
@@ -384,6 +379,40 @@ impl State {
             }
         }
     }
+}
+
+/// A message as a platform delivered it, reduced to what journaling and routing need.
+struct Incoming<'a> {
+    agent: String,
+    surface: SurfaceId,
+    /// Its identity on the surface: the Slack ts, or the chat message id.
+    id: &'a str,
+    /// The time shown for the row.
+    ts_seconds: i64,
+    user_id: &'a str,
+    bot_id: &'a str,
+    /// The agent the author is, if any.
+    owner: Option<String>,
+    body: RowBody,
+    /// A direct conversation (Slack DM, p2p chat).
+    direct: bool,
+    /// Whether it mentions the receiving agent, given its record.
+    mentions: &'a dyn Fn(&AgentRecord) -> bool,
+    is_bot: bool,
+    /// The wake item id it would queue.
+    identity: String,
+}
+
+/// The verdict of an observation that is recorded but not journaled.
+fn not_journaled(agent: String) -> Verdict {
+    Verdict::Journaled(JournalVerdict {
+        agent,
+        surface: None,
+        ordinal: 0,
+        duplicate_message: false,
+        wake: None,
+        route: None,
+    })
 }
 
 /// Identity-table keys of an agent's Slack identities.

@@ -417,8 +417,8 @@ impl State {
         }
     }
 
-    /// Records the outcome of a finished pass and closes its gate. `None` when the finish is
-    /// refused for want of digests.
+    /// Records the outcome of a finished pass (not a restart drain) and closes its gate. The
+    /// finish was checked for its digests before.
     pub(crate) fn record_memory_outcome(
         &mut self,
         at: LogPosition,
