@@ -816,7 +816,7 @@ pub fn surface_subject(surface: &SurfaceId) -> String {
     }
 }
 
-fn unexpected(verdict: Verdict) -> CommandError {
+pub(crate) fn unexpected(verdict: Verdict) -> CommandError {
     CommandError::FailedPrecondition(format!("the fold recorded an unexpected verdict: {verdict:?}"))
 }
 

@@ -78,7 +78,7 @@ impl Engine {
         let (_, verdict) = self.append_and_decide(subject::agent_subject(agent), &envelope).await?;
         match verdict {
             Verdict::MemoryPassQueued { pass_id, .. } => Ok(pass_id),
-            other => Err(CommandError::FailedPrecondition(format!("unexpected verdict {other:?}"))),
+            other => Err(crate::command::unexpected(other)),
         }
     }
 

@@ -72,11 +72,14 @@ impl api::memory_server::Memory for MemoryService {
         let agent = request.into_inner().agent_id;
         principal.require_agent(&agent)?;
         let now = SystemClock.now_ns();
-        let plan = self.engine.memory_plan(now);
-        let Some(current) = plan.entries.iter().find(|e| e.agent == agent) else {
+        let (current, config) = {
+            let state = self.engine.projection().state();
+            (state.memory_status(&agent, now), state.memory_config())
+        };
+        let Some(current) = current else {
             return Err(Status::not_found(format!("agent_id: {agent:?} is neither registered nor in the scope")));
         };
-        let next = MemoryPassCalendar::new(&plan.config.settings).ok().and_then(|calendar| {
+        let next = MemoryPassCalendar::new(&config.settings).ok().and_then(|calendar| {
             let next = calendar.next_slot_at_ns(now, &agent)?;
             let label = calendar.local_label(next.slot);
             Some((next, label))
@@ -94,7 +97,7 @@ impl api::memory_server::Memory for MemoryService {
         });
         Ok(Response::new(api::MemoryStatusResponse {
             agent_id: agent.clone(),
-            now: Some(entry(current)),
+            now: Some(entry(&current)),
             next_window_day: next.as_ref().map(|(n, _)| n.local_date_label()).unwrap_or_default(),
             next_slot_at_ms: next.as_ref().map_or(0, |(n, _)| n.slot_at_ns.div_euclid(NS_PER_MS)),
             next_slot_label: next.map(|(_, label)| label).unwrap_or_default(),

@@ -465,21 +465,8 @@ impl State {
         agents.extend(
             config.scope_agent_ids.iter().map(String::as_str).filter(|id| !self.agents.contains_key(&(*id).to_owned())),
         );
-        let mut entries: Vec<PassPlanEntry> = agents
-            .into_iter()
-            .map(|agent| {
-                let due = calendar.as_ref().and_then(|c| c.due_slot_at_ns(as_of_ns, agent));
-                let due_label = match (&calendar, &due) {
-                    (Some(c), Some(d)) => c.local_label(d.slot),
-                    _ => String::new(),
-                };
-                let (status, why) = match &due {
-                    Some(due) => self.pass_status(&config, agent, due),
-                    None => (PassStatus::Disabled, "no slot is representable at this instant".to_owned()),
-                };
-                PassPlanEntry { agent: agent.to_owned(), due, due_label, status, why, gate: self.memory_gate(agent) }
-            })
-            .collect();
+        let mut entries: Vec<PassPlanEntry> =
+            agents.into_iter().map(|agent| self.plan_entry(&config, calendar.as_ref(), agent, as_of_ns)).collect();
         entries.sort_by(|a, b| {
             let slot = |e: &PassPlanEntry| e.due.as_ref().map_or(i64::MAX, |d| d.slot_at_ns);
             slot(a).cmp(&slot(b)).then_with(|| a.agent.cmp(&b.agent))
@@ -499,6 +486,53 @@ impl State {
             }
         }
         MemoryPlan { as_of_ns, config, open, entries }
+    }
+
+    /// One agent's line of the plan, before the limit is shared out (see [`State::pass_status`]).
+    fn plan_entry(
+        &self,
+        config: &MemoryConfig,
+        calendar: Option<&MemoryPassCalendar>,
+        agent: &str,
+        as_of_ns: i64,
+    ) -> PassPlanEntry {
+        let due = calendar.and_then(|c| c.due_slot_at_ns(as_of_ns, agent));
+        let due_label = match (calendar, &due) {
+            (Some(c), Some(d)) => c.local_label(d.slot),
+            _ => String::new(),
+        };
+        let (status, why) = match &due {
+            Some(due) => self.pass_status(config, agent, due),
+            None => (PassStatus::Disabled, "no slot is representable at this instant".to_owned()),
+        };
+        PassPlanEntry { agent: agent.to_owned(), due, due_label, status, why, gate: self.memory_gate(agent) }
+    }
+
+    /// One agent's line as of `as_of_ns`, without computing every agent's plan: a due, eligible
+    /// pass is `Due` when the fold would accept a request for it now (fewer than `maxConcurrent`
+    /// open), else `WaitingForLimit`. (The full plan also shares free places out in slot order.)
+    /// `None` when the agent is neither registered nor in the scope.
+    pub fn memory_status(&self, agent: &str, as_of_ns: i64) -> Option<PassPlanEntry> {
+        let config = self.memory_config();
+        let scoped = config.scope_agent_ids.binary_search_by(|id| id.as_str().cmp(agent)).is_ok();
+        if !self.agents.contains_key(&agent.to_owned()) && !scoped {
+            return None;
+        }
+        let calendar = config.calendar().ok();
+        let mut entry = self.plan_entry(&config, calendar.as_ref(), agent, as_of_ns);
+        if entry.status == PassStatus::WaitingForLimit {
+            let open = self.memory_open.len() as u32;
+            if open < config.max_concurrent {
+                entry.status = PassStatus::Due;
+                entry.why = format!("due since {} and history is newer than the last outcome", entry.due_label);
+            } else {
+                entry.why = format!(
+                    "due since {}, but {open} passes are open (maxConcurrent {})",
+                    entry.due_label, config.max_concurrent
+                );
+            }
+        }
+        Some(entry)
     }
 
     /// The status of an agent's due pass, before the limit is shared out: `WaitingForLimit`

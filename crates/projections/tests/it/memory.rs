@@ -1205,3 +1205,30 @@ fn a_dm_wake_started_while_a_pass_is_queued_leaves_the_pass_queued() {
     .assert_eq(&out);
     assert_eq!(fleet.open_passes(), 1);
 }
+
+#[test]
+fn one_agents_status_agrees_with_the_plan_and_answers_by_the_folds_own_limit_rule() {
+    let mut fleet = Fleet::new("2026-06-01T03:00:00Z", &["zed", "bo", "ivy"]);
+    for agent in ["zed", "bo", "ivy"] {
+        fleet.post(agent);
+    }
+    let now = "2026-06-01T07:00:00Z";
+    let status = |fleet: &Fleet, agent: &str| {
+        let entry = fleet.log.state.memory_status(agent, ns(instant(now))).expect("a registered agent");
+        entry.status
+    };
+    // The plan shares the one place in slot order; each agent alone would be accepted now.
+    let plan = fleet.plan(now);
+    let in_plan: Vec<PassStatus> =
+        ["zed", "bo", "ivy"].map(|a| plan.entries.iter().find(|e| e.agent == a).expect("in the plan").status).to_vec();
+    assert_eq!(in_plan, [PassStatus::Due, PassStatus::WaitingForLimit, PassStatus::WaitingForLimit]);
+    for agent in ["zed", "bo", "ivy"] {
+        assert_eq!(status(&fleet, agent), PassStatus::Due, "{agent}");
+    }
+    // Once zed's pass is open the limit is full: the others wait, zed's is open.
+    let queued = fleet.at(now, pass_request("zed", "2026-06-01"));
+    assert_eq!(fleet.describe(queued), "queued memory-pass:zed:2026-06-01");
+    assert_eq!(status(&fleet, "zed"), PassStatus::Open);
+    assert_eq!(status(&fleet, "bo"), PassStatus::WaitingForLimit);
+    assert!(fleet.log.state.memory_status("nobody", ns(instant(now))).is_none());
+}
