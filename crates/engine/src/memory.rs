@@ -45,9 +45,13 @@ impl Engine {
             return Ok(false);
         }
         let event = config.to_proto();
+        // The id names the configuration and the one it replaces: instances starting together
+        // with one file dedupe, and going back to an earlier configuration (A, B, A) within the
+        // log's dedupe window is still appended.
+        let replaced = if in_log { prost::Message::encode_to_vec(&current.to_proto()) } else { Vec::new() };
         let event_id = Uuid::new_v5(
             &EVENT_ID_NAMESPACE,
-            &[b"memory-config\0".as_slice(), &prost::Message::encode_to_vec(&event)].concat(),
+            &[b"memory-config\0".as_slice(), &prost::Message::encode_to_vec(&event), b"\0", &replaced].concat(),
         );
         let envelope = self.envelope(event_id.to_string(), 0, Payload::MemoryConfig(event));
         self.append_and_decide(subject::CONFIG_SUBJECT.to_owned(), &envelope).await?;

@@ -247,3 +247,16 @@ async fn the_next_pass_is_queued_only_after_the_running_one_finishes() {
     assert_eq!(next.queued.len(), 1, "the next agent in slot order is queued once the first finished");
     fleet.shutdown.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn going_back_to_an_earlier_configuration_is_appended_within_the_dedupe_window() {
+    let clock = Arc::new(ManualClock::new(local_ns("UTC", "2026-06-01T12:00")));
+    let fleet = fleet(clock).await;
+    let first = MemoryConfig::new(true, "05:00", 120, 1, "UTC", &[], 20 * 1024).expect("config");
+    let second = MemoryConfig::new(true, "05:00", 120, 3, "UTC", &[], 20 * 1024).expect("config");
+    for config in [&first, &second, &first] {
+        assert!(fleet.engines[0].sync_memory_config(config).await.expect("sync"), "{config:?} differs from the log's");
+        assert_eq!(&fleet.engines[0].projection().state().memory_config(), config);
+    }
+    fleet.shutdown.cancel();
+}
