@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod clock;
 pub mod command;
+pub mod data_dir;
 pub mod digest;
 pub mod instance;
 pub mod log;

@@ -119,7 +119,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         Some(addr) => Some(crate::metrics::bind(addr).await?),
         None => None,
     };
-    let Instance { engine, backend_name, shutdown, runner, recovery, scheduler } =
+    let Instance { engine, backend_name, shutdown, runner, recovery, scheduler, .. } =
         Instance::start(instance_config).await?;
     let configured: Vec<events::AgentRegistered> = config
         .agents
