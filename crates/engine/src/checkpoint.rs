@@ -19,6 +19,9 @@ pub enum CheckpointError {
     Sled(#[from] sled::Error),
     #[error("checkpoint task failed: {0}")]
     Task(String),
+    /// A write refused by [`CheckpointStore::inject_write_failure`] (fault injection).
+    #[error("injected checkpoint write failure")]
+    Injected,
     /// A stored entry does not decode: the checkpoint is unusable (the runner rebuilds).
     #[error(transparent)]
     Decode(#[from] anima_projections::state::CheckpointDecodeError),
@@ -29,13 +32,22 @@ pub enum CheckpointError {
 pub struct CheckpointStore {
     db: sled::Db,
     tree: sled::Tree,
+    /// Set by fault injection: every later write fails without touching sled.
+    fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl CheckpointStore {
     /// Opens (or creates) the checkpoint tree `name` in `db`.
     pub fn open(db: sled::Db, name: &str) -> Result<Self, CheckpointError> {
         let tree = db.open_tree(name)?;
-        Ok(CheckpointStore { db, tree })
+        Ok(CheckpointStore { db, tree, fail_writes: Default::default() })
+    }
+
+    /// Fault injection for tests and simulations: from now on every write fails, as a full or
+    /// broken disk would make it. What the runner does then (stop, say why, let the instance go
+    /// unhealthy) is what supervision is tested with.
+    pub fn inject_write_failure(&self) {
+        self.fail_writes.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// The checkpointed state if it was taken by this fold version on this stream; otherwise
@@ -76,6 +88,9 @@ impl CheckpointStore {
         stream_identity: &str,
         changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     ) -> Result<(), CheckpointError> {
+        if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(CheckpointError::Injected);
+        }
         let db = self.db.clone();
         let tree = self.tree.clone();
         let stream_identity = stream_identity.to_owned();

@@ -93,6 +93,8 @@ pub struct Instance {
     pub engine: Engine,
     /// The data dir this instance holds (sled's lock) until it is closed.
     pub data_dir: PathBuf,
+    /// The runner's checkpoint store (for tools and fault injection).
+    pub checkpoints: CheckpointStore,
     pub backend_name: &'static str,
     pub shutdown: CancellationToken,
     pub runner: tokio::task::JoinHandle<Result<(), RunnerError>>,
@@ -127,7 +129,7 @@ impl Instance {
         let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
         let Runner { projection, task, .. } =
-            Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
+            Runner::start(log.clone(), checkpoints.clone(), config.runner, shutdown.clone()).await?;
         let last = log.last_seq().await?;
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
@@ -151,7 +153,16 @@ impl Instance {
                 shutdown.clone(),
             ))
         });
-        Ok(Instance { engine, data_dir: config.data_dir, backend_name, shutdown, runner: task, recovery, scheduler })
+        Ok(Instance {
+            engine,
+            data_dir: config.data_dir,
+            checkpoints,
+            backend_name,
+            shutdown,
+            runner: task,
+            recovery,
+            scheduler,
+        })
     }
 
     /// Stops the runner, writing a last checkpoint. The data dir stays locked until every clone
@@ -173,7 +184,8 @@ impl Instance {
 
     /// Ends the loops and the runner (a last checkpoint) and drops this instance's engine.
     async fn stop_tasks(self) -> Result<PathBuf, InstanceError> {
-        let Instance { engine, data_dir, shutdown, runner, recovery, scheduler, .. } = self;
+        let Instance { engine, data_dir, checkpoints, shutdown, runner, recovery, scheduler, .. } = self;
+        drop(checkpoints);
         shutdown.cancel();
         let _ = recovery.await;
         if let Some(scheduler) = scheduler {

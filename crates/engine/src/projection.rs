@@ -74,6 +74,8 @@ pub struct Projection {
     bodies: Mutex<BodyCache>,
     /// The newest log sequence the runner has handed to the fold.
     applied: watch::Sender<u64>,
+    /// Why the runner stopped, once it has: nobody waits for a fold that will not move again.
+    stopped: watch::Sender<Option<Arc<str>>>,
     log: Arc<dyn EventLog>,
 }
 
@@ -84,6 +86,10 @@ pub enum WaitError {
     /// with the same request id.
     #[error("the fold did not reach seq {seq} within {waited:?}")]
     Timeout { seq: u64, waited: Duration },
+    /// The runner stopped (shut down, or failed with `cause`): this instance will not decide
+    /// again. Retry against another instance, or after the restart.
+    #[error("the projection runner stopped: {cause}")]
+    Stopped { cause: Arc<str> },
 }
 
 impl Projection {
@@ -102,14 +108,36 @@ impl Projection {
         self.applied.subscribe()
     }
 
-    /// Waits until the fold has applied `seq`.
+    /// Waits until the fold has applied `seq`. Answers at once, with the cause, when the runner
+    /// has stopped and `seq` is beyond what it applied.
     pub async fn wait_applied(&self, seq: u64, timeout: Duration) -> Result<(), WaitError> {
-        let mut rx = self.applied.subscribe();
-        let waited = tokio::time::timeout(timeout, rx.wait_for(|applied| *applied >= seq)).await;
-        match waited {
-            Ok(Ok(_)) => Ok(()),
-            _ => Err(WaitError::Timeout { seq, waited: timeout }),
+        let mut applied = self.applied.subscribe();
+        let mut stopped = self.stopped.subscribe();
+        let reached = async {
+            tokio::select! {
+                biased;
+                result = applied.wait_for(|applied| *applied >= seq) => result.is_ok(),
+                _ = stopped.wait_for(Option::is_some) => false,
+            }
+        };
+        match tokio::time::timeout(timeout, reached).await {
+            Ok(true) => Ok(()),
+            Ok(false) if self.applied_seq() >= seq => Ok(()),
+            Ok(false) => Err(self
+                .stop_cause()
+                .map_or(WaitError::Timeout { seq, waited: timeout }, |cause| WaitError::Stopped { cause })),
+            Err(_) => Err(WaitError::Timeout { seq, waited: timeout }),
         }
+    }
+
+    /// Why the runner stopped, once it has (`None` while it runs).
+    pub fn stop_cause(&self) -> Option<Arc<str>> {
+        self.stopped.borrow().clone()
+    }
+
+    /// A receiver that changes once, when the runner stops (its value is the cause).
+    pub fn subscribe_stopped(&self) -> watch::Receiver<Option<Arc<str>>> {
+        self.stopped.subscribe()
     }
 
     /// The bodies of rows at `seqs`: from the cache, else read from the log concurrently.
@@ -176,9 +204,22 @@ impl Runner {
             state: Mutex::new(state),
             bodies: Mutex::new(BodyCache { bytes_max: config.body_cache_bytes_max, ..BodyCache::default() }),
             applied,
+            stopped: watch::channel(None).0,
             log: log.clone(),
         });
-        let task = tokio::spawn(run(log, projection.clone(), checkpoints, config, shutdown, stream_identity));
+        let supervised = projection.clone();
+        let task = tokio::spawn(async move {
+            let result = run(log, supervised.clone(), checkpoints, config, shutdown, stream_identity).await;
+            let cause: Arc<str> = match &result {
+                Ok(()) => "the instance is shutting down".into(),
+                Err(e) => {
+                    tracing::error!(error = %e, "projection runner failed; this instance stops deciding");
+                    e.to_string().into()
+                }
+            };
+            supervised.stopped.send_replace(Some(cause));
+            result
+        });
         Ok(Runner { projection, restored_seq: start_seq, task })
     }
 }
@@ -195,6 +236,10 @@ async fn run(
     let mut since_checkpoint = 0u64;
     let mut last_checkpoint = Instant::now();
     let mut tick = tokio::time::interval(config.checkpoint_interval);
+    // At most one checkpoint write in flight, beside the fold: a sled flush never holds up the
+    // requests waiting for their verdicts. Writes stay in order because the next one starts only
+    // after the previous one finished.
+    let mut writing: Option<tokio::task::JoinHandle<Result<(), RunnerError>>> = None;
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -218,13 +263,24 @@ async fn run(
         }
         let due = since_checkpoint >= config.checkpoint_every_events
             || (since_checkpoint > 0 && last_checkpoint.elapsed() >= config.checkpoint_interval);
-        if due {
-            checkpoint(&projection, &checkpoints, &stream_identity).await?;
+        if let Some(done) = writing.as_mut().and_then(|w| w.now_or_never()) {
+            writing = None;
+            done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
+        }
+        if due && writing.is_none() {
+            let changes = projection.state().drain_changes();
+            let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.clone());
+            writing =
+                Some(tokio::spawn(async move { write_checkpoint(&checkpoints, &stream_identity, changes).await }));
             since_checkpoint = 0;
             last_checkpoint = Instant::now();
         }
     }
-    checkpoint(&projection, &checkpoints, &stream_identity).await?;
+    if let Some(writing) = writing {
+        writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
+    }
+    let changes = projection.state().drain_changes();
+    write_checkpoint(&checkpoints, &stream_identity, changes).await?;
     tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
 }
@@ -258,11 +314,10 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     }
 }
 
-async fn checkpoint(
-    projection: &Projection,
+async fn write_checkpoint(
     checkpoints: &CheckpointStore,
     stream_identity: &str,
+    changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
 ) -> Result<(), RunnerError> {
-    let changes = projection.state().drain_changes();
     checkpoints.write(stream_identity, changes).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }
