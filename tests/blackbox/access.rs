@@ -252,18 +252,25 @@ async fn call(channel: &Channel, caller: Caller, rpc: Rpc, agent: &str) -> Code 
     let replay = || api::replay_client::ReplayClient::with_interceptor(channel.clone(), token.clone());
     let analytics = || api::analytics_client::AnalyticsClient::with_interceptor(channel.clone(), token.clone());
     let target = slack_target("CACCESS", "");
-    let subscription = api::SubscriptionRequest {
+    let subscription = api::MuteRequest {
         agent_id: agent.into(),
         target: Some(api::SlackTarget { team_id: "T1".into(), channel_id: "CACCESS".into(), thread_ts: String::new() }),
         ..Default::default()
     };
+    let unsubscription = api::UnmuteRequest {
+        agent_id: subscription.agent_id.clone(),
+        target: subscription.target.clone(),
+        ..Default::default()
+    };
     let append_stream = |request: api::AppendRequest| async move {
         let mut client: api::ingest_client::IngestClient<Authed> = ingest();
+        let request = api::AppendStreamRequest { append: Some(request) };
         let mut responses = client.append_stream(tokio_stream::iter(vec![request])).await?.into_inner();
         match responses.next().await {
-            Some(Ok(api::AppendResponse { error: Some(error), .. })) => {
-                Err(Status::new(error.code.into(), error.message))
-            }
+            Some(Ok(api::AppendStreamResponse {
+                result: Some(api::append_stream_response::Result::Error(error)),
+                ..
+            })) => Err(Status::new(error.code.into(), error.message)),
             Some(Ok(response)) => Ok(response),
             Some(Err(status)) => Err(status),
             None => Err(Status::internal("AppendStream answered nothing")),
@@ -318,7 +325,7 @@ async fn call(channel: &Channel, caller: Caller, rpc: Rpc, agent: &str) -> Code 
             Rpc::SendsSend => code_of(sends().send(send_request(agent, target)).await),
             Rpc::SendsConfirm => code_of(
                 sends()
-                    .confirm(api::ConfirmRequest {
+                    .confirm(api::SendsConfirmRequest {
                         agent_id: agent.into(),
                         target: Some(target),
                         kind: api::SendKind::Message as i32,
@@ -350,9 +357,9 @@ async fn call(channel: &Channel, caller: Caller, rpc: Rpc, agent: &str) -> Code 
                     .await,
             ),
             Rpc::SubscriptionsMute => code_of(subscriptions().mute(subscription).await),
-            Rpc::SubscriptionsUnmute => code_of(subscriptions().unmute(subscription).await),
+            Rpc::SubscriptionsUnmute => code_of(subscriptions().unmute(unsubscription).await),
             Rpc::SubscriptionsList => {
-                code_of(subscriptions().list(api::ListSubscriptionsRequest { agent_id: agent.into() }).await)
+                code_of(subscriptions().list(api::SubscriptionsListRequest { agent_id: agent.into() }).await)
             }
             Rpc::MemoryPlan => code_of(memory().plan(api::MemoryPlanRequest::default()).await),
             Rpc::MemoryStatus => code_of(memory().status(api::MemoryStatusRequest { agent_id: agent.into() }).await),

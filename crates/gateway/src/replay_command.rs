@@ -240,7 +240,7 @@ impl Source {
     async fn read(
         &self,
         request: api::ReplayReadRequest,
-    ) -> anyhow::Result<BoxStream<'static, Result<api::ReplayEvent, Status>>> {
+    ) -> anyhow::Result<BoxStream<'static, Result<api::ReplayReadResponse, Status>>> {
         match self {
             Source::Direct { replayer, .. } => {
                 let query = replay_services::read_query(request)?;
@@ -562,7 +562,7 @@ pub fn describe_outcome(outcome: &api::AnalyticsOutcome) -> String {
 }
 
 /// One line of `timeline`.
-pub fn timeline_line(event: &api::ReplayEvent) -> String {
+pub fn timeline_line(event: &api::ReplayReadResponse) -> String {
     let mut line = format!(
         "{:>8}  {}  {:<16} {}",
         event.seq,
@@ -595,7 +595,7 @@ fn base64(bytes: &[u8]) -> String {
 
 /// One line of `export --format jsonl`: the position, the event as protobuf JSON (proto field
 /// names), the stored bytes (base64, for a newer schema), and the outcome when asked.
-pub fn json_line(event: &api::ReplayEvent) -> anyhow::Result<String> {
+pub fn json_line(event: &api::ReplayReadResponse) -> anyhow::Result<String> {
     let event_json = match DynamicMessage::decode(envelope_descriptor().clone(), event.stored.as_slice()) {
         Ok(message) => {
             let mut buffer = Vec::new();

@@ -113,9 +113,9 @@ pub fn outcome(outcome: &RedactedOutcome) -> api::AnalyticsOutcome {
     }
 }
 
-pub fn replay_event(event: ReplayedEvent) -> api::ReplayEvent {
+pub fn replay_event(event: ReplayedEvent) -> api::ReplayReadResponse {
     let decoded = events::Envelope::decode(event.record.payload.as_ref()).ok();
-    api::ReplayEvent {
+    api::ReplayReadResponse {
         seq: event.record.seq,
         subject: event.record.subject,
         log_time_ns: event.record.timestamp_ns,
@@ -127,9 +127,9 @@ pub fn replay_event(event: ReplayedEvent) -> api::ReplayEvent {
     }
 }
 
-pub fn analytics_event(event: RedactedEvent) -> api::AnalyticsEvent {
+pub fn analytics_event(event: RedactedEvent) -> api::AnalyticsTapResponse {
     use api::analytics_field::Value as Field;
-    api::AnalyticsEvent {
+    api::AnalyticsTapResponse {
         seq: event.seq,
         subject: event.subject,
         log_time_ns: event.log_time_ns,
@@ -431,7 +431,7 @@ impl ReplayServices {
 
 #[tonic::async_trait]
 impl api::replay_server::Replay for ReplayServices {
-    type ReadStream = ResponseStream<api::ReplayEvent>;
+    type ReadStream = ResponseStream<api::ReplayReadResponse>;
 
     async fn read(&self, request: Request<api::ReplayReadRequest>) -> Result<Response<Self::ReadStream>, Status> {
         let query = read_query(request.into_inner())?;
@@ -468,7 +468,7 @@ impl api::replay_server::Replay for ReplayServices {
 
 #[tonic::async_trait]
 impl api::analytics_server::Analytics for ReplayServices {
-    type TapStream = ResponseStream<api::AnalyticsEvent>;
+    type TapStream = ResponseStream<api::AnalyticsTapResponse>;
 
     async fn counts(
         &self,
@@ -538,7 +538,7 @@ mod tests {
         redacted.outcome = Some(RedactedOutcome { kind: "journaled".into(), ..Default::default() });
         let message = analytics_event(redacted).encode_to_vec();
         let haystack = String::from_utf8_lossy(&message);
-        assert!(!haystack.contains("MARKER"), "content leaked into an AnalyticsEvent");
+        assert!(!haystack.contains("MARKER"), "content leaked into an AnalyticsTapResponse");
         assert!(haystack.contains("ada") && haystack.contains("D1"), "ids are kept");
     }
 
