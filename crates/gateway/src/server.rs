@@ -30,6 +30,33 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// How long a client may take over its TLS handshake before the connection is dropped.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Every service the server registers in health: the overall status ("") and each API service.
+const SERVED_SERVICES: [&str; 8] = [
+    "",
+    <api::ingest_server::IngestServer<Services> as tonic::server::NamedService>::NAME,
+    <api::wakes_server::WakesServer<Services> as tonic::server::NamedService>::NAME,
+    <api::sends_server::SendsServer<Services> as tonic::server::NamedService>::NAME,
+    <api::subscriptions_server::SubscriptionsServer<Services> as tonic::server::NamedService>::NAME,
+    <api::memory_server::MemoryServer<MemoryService> as tonic::server::NamedService>::NAME,
+    <api::replay_server::ReplayServer<ReplayServices> as tonic::server::NamedService>::NAME,
+    <api::analytics_server::AnalyticsServer<ReplayServices> as tonic::server::NamedService>::NAME,
+];
+
+/// Shutdown started: every service reports NOT_SERVING, and open `Health.Watch` streams end after
+/// telling their watcher so (they would otherwise hold the drain open until its deadline). A
+/// `Check` still answers NOT_SERVING until the connection closes.
+async fn report_draining(health: &tonic_health::server::HealthReporter) {
+    let mut health = health.clone();
+    for service in SERVED_SERVICES {
+        health.set_service_status(service, tonic_health::ServingStatus::NotServing).await;
+    }
+    for service in SERVED_SERVICES {
+        // Dropping a status's channel ends its watch streams once they have sent the last value.
+        health.clear_service_status(service).await;
+        health.set_service_status(service, tonic_health::ServingStatus::NotServing).await;
+    }
+}
+
 /// A running server.
 pub struct RunningServer {
     pub local_addr: SocketAddr,
@@ -142,15 +169,21 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let local_addr = listener.local_addr()?;
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<api::ingest_server::IngestServer<Services>>().await;
-    health.set_serving::<api::wakes_server::WakesServer<Services>>().await;
-    health.set_serving::<api::sends_server::SendsServer<Services>>().await;
-    health.set_serving::<api::subscriptions_server::SubscriptionsServer<Services>>().await;
-    health.set_serving::<api::memory_server::MemoryServer<MemoryService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
+    for service in SERVED_SERVICES {
+        health.set_service_status(service, tonic_health::ServingStatus::Serving).await;
+    }
+    // Both reflection versions: grpcurl and grpc-java speak v1, grpcio-reflection (Python) and
+    // older grpcurl only v1alpha. The health service is described too, so clients find it.
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(api::DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .context("building the reflection service")?;
+        .context("building the reflection service (v1)")?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(api::DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .context("building the reflection service (v1alpha)")?;
     let services = Services { engine: engine.clone(), shutdown: shutdown.clone(), metrics: metrics.clone() };
     // One replayer (and its snapshots) for both services.
     let replay_services = ReplayServices::new(engine.clone(), shutdown.clone());
@@ -159,7 +192,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .layer(RefusalLayer(metrics.clone()))
         .layer(AuthLayer(auth))
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(api::ingest_server::IngestServer::new(services.clone()))
         .add_service(api::wakes_server::WakesServer::new(services.clone()))
         .add_service(api::sends_server::SendsServer::new(services.clone()))
@@ -170,8 +204,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     // TCP_NODELAY: without it small responses (a held notice) wait ~40 ms on Nagle's algorithm.
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = shutdown.clone();
+    let draining = {
+        let stop = stop.clone();
+        async move {
+            stop.cancelled().await;
+            report_draining(&health).await;
+        }
+    };
     let serve = tokio::spawn(async move {
-        let graceful = router.serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned());
+        // Health says NOT_SERVING before the server stops accepting, so watchers hear it first.
+        let graceful = router.serve_with_incoming_shutdown(incoming, draining);
         // serve_with_shutdown waits for every connection without a deadline; bound it.
         tokio::select! {
             result = graceful => result.context("gRPC server")?,
