@@ -64,18 +64,47 @@ pub struct RunningServer {
     pub metrics_addr: Option<SocketAddr>,
     pub engine: Engine,
     pub metrics: Arc<Metrics>,
+    /// The runner's checkpoint store (fault injection in tests).
+    pub checkpoints: anima_engine::checkpoint::CheckpointStore,
     shutdown: CancellationToken,
     serve: tokio::task::JoinHandle<anyhow::Result<()>>,
     serve_metrics: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
-    runner: tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>,
-    recovery: tokio::task::JoinHandle<()>,
+    /// The tasks the instance cannot serve without; `None` once joined.
+    runner: Option<tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>>,
+    recovery: Option<tokio::task::JoinHandle<()>>,
     scheduler: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Why a server stopped on its own: a task it cannot serve without ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisionError {
+    /// The projection runner failed: this instance could not decide anything any more. It
+    /// drained and exited; an orchestrator restarts it (the restart restores and catches up).
+    #[error("the projection runner failed: {0}")]
+    RunnerFailed(String),
+    /// A loop the instance needs (recovery, memory-pass scheduler, the runner) ended without
+    /// being asked to, or panicked.
+    #[error("the {task} ended unexpectedly: {reason}")]
+    TaskEnded { task: &'static str, reason: String },
+}
+
+/// The reason a supervised task gave for ending.
+fn ended(task: &'static str, joined: Result<(), tokio::task::JoinError>) -> SupervisionError {
+    let reason = match joined {
+        Ok(()) => "it returned".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    SupervisionError::TaskEnded { task, reason }
 }
 
 impl RunningServer {
     /// Stops accepting, waits for in-flight work up to a deadline, checkpoints, and returns.
-    pub async fn shutdown(self) -> anyhow::Result<()> {
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();
+        let runner = match self.runner.take() {
+            Some(runner) => runner.await.context("runner task")?,
+            None => Ok(()),
+        };
         self.serve.await.context("server task")??;
         if let Some(mut serve_metrics) = self.serve_metrics {
             // A scraper holding its connection open must not hold up shutdown.
@@ -87,19 +116,67 @@ impl RunningServer {
                 }
             }
         }
-        self.recovery.await.context("recovery task")?;
+        if let Some(recovery) = self.recovery {
+            recovery.await.context("recovery task")?;
+        }
         if let Some(scheduler) = self.scheduler {
             scheduler.await.context("memory-pass scheduler task")?;
         }
-        self.runner.await.context("runner task")??;
+        runner?;
         Ok(())
     }
 
-    /// Waits until the server stops on its own (it does not, unless it fails) or `signal` fires.
-    pub async fn run_until(self, signal: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
-        signal.await;
-        tracing::info!("shutting down");
-        self.shutdown().await
+    /// Serves until `signal` fires (then shuts down cleanly), or until a task the instance needs
+    /// ends on its own — the runner failing (a checkpoint write, an unreadable log), or a loop
+    /// panicking. Then it does not stay up useless: health goes NOT_SERVING, waiting requests
+    /// are answered UNAVAILABLE with the cause, the server drains, and this returns the cause as
+    /// an error so the process exits non-zero and an orchestrator restarts it.
+    pub async fn run_until(mut self, signal: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
+        let failure = {
+            let runner = async {
+                match self.runner.as_mut() {
+                    Some(runner) => runner.await,
+                    None => std::future::pending().await,
+                }
+            };
+            let recovery = async {
+                match self.recovery.as_mut() {
+                    Some(recovery) => recovery.await,
+                    None => std::future::pending().await,
+                }
+            };
+            let scheduler = async {
+                match self.scheduler.as_mut() {
+                    Some(scheduler) => scheduler.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = signal => None,
+                joined = runner => Some(("runner", match joined {
+                    Ok(Ok(())) => SupervisionError::TaskEnded { task: "projection runner", reason: "it returned".into() },
+                    Ok(Err(e)) => SupervisionError::RunnerFailed(e.to_string()),
+                    Err(e) => SupervisionError::RunnerFailed(e.to_string()),
+                })),
+                joined = recovery => Some(("recovery", ended("recovery loop", joined))),
+                joined = scheduler => Some(("scheduler", ended("memory-pass scheduler", joined))),
+            }
+        };
+        let Some((which, failure)) = failure else {
+            tracing::info!("shutting down");
+            return self.shutdown().await;
+        };
+        tracing::error!(error = %failure, "a task this instance needs ended; draining and exiting");
+        // The task that ended was joined; the rest end with the shutdown token.
+        match which {
+            "runner" => self.runner = None,
+            "recovery" => self.recovery = None,
+            _ => self.scheduler = None,
+        }
+        if let Err(e) = self.shutdown().await {
+            tracing::warn!(error = %e, "draining after the failure");
+        }
+        Err(failure.into())
     }
 }
 
@@ -146,7 +223,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         Some(addr) => Some(crate::metrics::bind(addr).await?),
         None => None,
     };
-    let Instance { engine, backend_name, shutdown, runner, recovery, scheduler, .. } =
+    let Instance { engine, checkpoints, backend_name, shutdown, runner, recovery, scheduler, .. } =
         Instance::start(instance_config).await?;
     let configured: Vec<events::AgentRegistered> = config
         .agents
@@ -238,11 +315,64 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         metrics_addr,
         engine,
         metrics,
+        checkpoints,
         shutdown,
         serve,
         serve_metrics,
-        runner,
-        recovery,
+        runner: Some(runner),
+        recovery: Some(recovery),
         scheduler,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    const WAIT: Duration = Duration::from_secs(30);
+
+    /// A runner that can no longer checkpoint ends the server instead of leaving it up and
+    /// useless: health goes NOT_SERVING, and `run_until` returns the cause (the process exits
+    /// non-zero), without any signal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_runner_takes_the_server_down_with_the_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Config::default();
+        config.data = dir.path().to_path_buf();
+        config.listen = "127.0.0.1:0".parse().unwrap();
+        config.runner.checkpoint_every_events = 1;
+        let server = start(config).await.unwrap();
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut health = HealthClient::new(channel);
+        let mut watch = health.watch(HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+        let first = watch.message().await.unwrap().unwrap();
+        assert_eq!(first.status(), ServingStatus::Serving);
+
+        server.checkpoints.inject_write_failure();
+        let engine = server.engine.clone();
+        let running = tokio::spawn(server.run_until(std::future::pending()));
+        let agent = events::AgentRegistered { agent_id: "ada".into(), ..Default::default() };
+        // Its verdict may or may not arrive before the runner fails; the failure is what matters.
+        let _ = engine.sync_agents(&[agent]).await;
+
+        let ended = tokio::time::timeout(WAIT, running).await.expect("the server stops on its own").unwrap();
+        let error = ended.expect_err("a failed runner is an error exit");
+        let text = format!("{error:#}");
+        assert!(
+            text.contains("projection runner failed") && text.contains("injected checkpoint write failure"),
+            "{text}"
+        );
+        let mut statuses = Vec::new();
+        while let Ok(Some(message)) = watch.message().await {
+            statuses.push(message.status());
+        }
+        assert!(statuses.contains(&ServingStatus::NotServing), "health watchers heard NOT_SERVING: {statuses:?}");
+    }
 }
