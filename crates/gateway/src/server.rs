@@ -340,9 +340,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_runner_takes_the_server_down_with_the_cause() {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = Config::default();
-        config.data = dir.path().to_path_buf();
-        config.listen = "127.0.0.1:0".parse().unwrap();
+        let mut config =
+            Config { data: dir.path().to_path_buf(), listen: "127.0.0.1:0".parse().unwrap(), ..Config::default() };
         config.runner.checkpoint_every_events = 1;
         let server = start(config).await.unwrap();
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.local_addr))
