@@ -57,6 +57,44 @@ async fn report_draining(health: &tonic_health::server::HealthReporter) {
     }
 }
 
+// HTTP/2 limits. h2 (0.4) closes a connection with GOAWAY `too_many_data_frames`
+// (ENHANCE_YOUR_CALM) when the DATA frames it has received but the application has not yet read
+// cost more than a budget: a frame with a payload of p < 256 bytes costs 256 - p, and the budget
+// is half the connection's target window (at least 25,600). Flow control bounds the unread bytes,
+// not the frames, so with the defaults (1 MiB connection and stream windows, so a budget of
+// 512 KiB) about 340 KB of ~90-byte messages unread — a gRPC client that sends each small message
+// in its own frame while the server is busy, e.g. grpcio streaming into AppendStream on a loaded
+// machine — ended the connection. So the stream windows bound what may sit unread
+// (concurrent streams × stream window), and the connection window is set so large that its
+// budget covers all of that even in frames of HTTP2_FRAME_BYTES_MIN bytes. Memory stays bounded
+// by the stream windows: at most 16 MiB of unread request data per connection.
+
+/// The stream flow-control window: HTTP/2's default, what a client may send before it has read
+/// our settings anyway.
+const HTTP2_STREAM_WINDOW_BYTES: u32 = 65_535;
+
+/// Concurrent streams (calls) per connection; a client queues more until one ends.
+const HTTP2_CONCURRENT_STREAMS_MAX: u32 = 256;
+
+/// The connection flow-control window: never the binding limit (the stream windows are); large so
+/// that h2's small-frame budget (half of it) covers everything the stream windows let in.
+const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 256 * 1024 * 1024;
+
+/// The smallest DATA frame payload that can never trip h2's small-frame budget with the settings
+/// above (every AppendStream request carrying an observation is larger).
+const HTTP2_FRAME_BYTES_MIN: u64 = 29;
+
+/// h2's per-frame accounting: frames below this many payload bytes cost the difference.
+const H2_FRAME_OVERHEAD_BYTES: u64 = 256;
+
+const _: () = {
+    let unread_bytes_max = HTTP2_CONCURRENT_STREAMS_MAX as u64 * HTTP2_STREAM_WINDOW_BYTES as u64;
+    let frames_max = unread_bytes_max / HTTP2_FRAME_BYTES_MIN;
+    let budget = HTTP2_CONNECTION_WINDOW_BYTES as u64 / 2;
+    assert!(frames_max * (H2_FRAME_OVERHEAD_BYTES - HTTP2_FRAME_BYTES_MIN) <= budget);
+    assert!(HTTP2_CONNECTION_WINDOW_BYTES as u64 >= unread_bytes_max);
+};
+
 /// A running server.
 pub struct RunningServer {
     pub local_addr: SocketAddr,
@@ -138,7 +176,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         }
         None => None,
     };
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW_BYTES)
+        .max_concurrent_streams(HTTP2_CONCURRENT_STREAMS_MAX);
     if let Some(tls) = tls {
         builder = builder.tls_config(tls).context("tls_cert, tls_key: not a usable PEM certificate chain and key")?;
     }
