@@ -150,5 +150,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self.process.stdout.close()
         self._stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)

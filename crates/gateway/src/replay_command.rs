@@ -1,4 +1,4 @@
-//! `anima-wake replay`: the incident-debugging tool (DESIGN §6).
+//! `anima-wake replay`: the incident-debugging tool.
 //!
 //! * `timeline` — one surface's or agent's events, human-readable, with UTC times and what the
 //!   fold decided for each;
