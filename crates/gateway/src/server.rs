@@ -95,6 +95,33 @@ const _: () = {
     assert!(HTTP2_CONNECTION_WINDOW_BYTES as u64 >= unread_bytes_max);
 };
 
+/// The file in the data dir that says where the server holding the dir serves gRPC, so that
+/// `anima-wake replay --data DIR` reaches that server and no other.
+pub const SERVING_FILE: &str = "anima-wake.serving";
+
+/// What [`SERVING_FILE`] says: the process, its gRPC address, and whether it serves TLS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServingRecord {
+    pub pid: u32,
+    pub grpc: SocketAddr,
+    pub tls: bool,
+}
+
+impl ServingRecord {
+    pub fn encode(&self) -> String {
+        format!("pid {}\ngrpc {}\ntls {}\n", self.pid, self.grpc, self.tls)
+    }
+
+    /// `None` unless the text is exactly what [`ServingRecord::encode`] writes.
+    pub fn decode(text: &str) -> Option<ServingRecord> {
+        let mut lines = text.lines();
+        let pid = lines.next()?.strip_prefix("pid ")?.parse().ok()?;
+        let grpc = lines.next()?.strip_prefix("grpc ")?.parse().ok()?;
+        let tls = lines.next()?.strip_prefix("tls ")?.parse().ok()?;
+        lines.next().is_none().then_some(ServingRecord { pid, grpc, tls })
+    }
+}
+
 /// A running server.
 pub struct RunningServer {
     pub local_addr: SocketAddr,
@@ -108,6 +135,7 @@ pub struct RunningServer {
     runner: tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>,
     recovery: tokio::task::JoinHandle<()>,
     scheduler: Option<tokio::task::JoinHandle<()>>,
+    serving_file: std::path::PathBuf,
 }
 
 impl RunningServer {
@@ -130,6 +158,10 @@ impl RunningServer {
             scheduler.await.context("memory-pass scheduler task")?;
         }
         self.runner.await.context("runner task")??;
+        // Still holding the data dir: nobody else wrote it meanwhile.
+        if let Err(e) = std::fs::remove_file(&self.serving_file) {
+            tracing::warn!(path = %self.serving_file.display(), error = %e, "removing the serving file");
+        }
         Ok(())
     }
 
@@ -209,6 +241,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     let listener =
         tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let local_addr = listener.local_addr()?;
+    // Written while this process holds the data dir (the instance opened it above).
+    let serving_file = config.data.join(SERVING_FILE);
+    let record = ServingRecord { pid: std::process::id(), grpc: local_addr, tls: config.tls_files().is_some() };
+    std::fs::write(&serving_file, record.encode())
+        .with_context(|| format!("data: writing {}", serving_file.display()))?;
     let (health, health_service) = tonic_health::server::health_reporter();
     for service in SERVED_SERVICES {
         health.set_service_status(service, tonic_health::ServingStatus::Serving).await;
@@ -285,5 +322,6 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         runner,
         recovery,
         scheduler,
+        serving_file,
     })
 }
