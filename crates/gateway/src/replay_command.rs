@@ -483,12 +483,13 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// `YYYY-MM-DD HH:MM:SS.mmm UTC`.
+/// RFC 3339 in UTC with milliseconds (`2023-11-14T22:13:20.500Z`): what scripts and other tools
+/// parse, and what `--at` accepts back.
 pub fn format_time_ns(ns: i64) -> String {
     let seconds = ns.div_euclid(1_000_000_000);
     let millis = ns.rem_euclid(1_000_000_000) / 1_000_000;
     let utc = format_utc(seconds);
-    format!("{}.{millis:03} UTC", utc.trim_end_matches(" UTC"))
+    format!("{}.{millis:03}Z", utc.trim_end_matches(" UTC").replacen(' ', "T", 1))
 }
 
 fn envelope_descriptor() -> &'static MessageDescriptor {
@@ -839,7 +840,12 @@ mod tests {
             Some(Point::LogTimeNs(1_700_000_000_500_000_000))
         );
         assert!(parse_point("yesterday").is_err());
-        assert_eq!(format_time_ns(1_700_000_000_500_000_000), "2023-11-14 22:13:20.500 UTC");
+        assert_eq!(format_time_ns(1_700_000_000_500_000_000), "2023-11-14T22:13:20.500Z");
+        // What the tool prints, it reads back.
+        assert_eq!(
+            parse_point(&format_time_ns(1_700_000_000_500_000_000)).unwrap().point,
+            Some(Point::LogTimeNs(1_700_000_000_500_000_000))
+        );
     }
 
     #[test]
