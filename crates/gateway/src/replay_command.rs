@@ -321,7 +321,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
 async fn run_reading(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<()> {
     let source = Source::open(args, reporter).await?;
     let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(BarSafeWriter::new(stdout.lock(), reporter.clone()));
+    let stdout_is_terminal = std::io::IsTerminal::is_terminal(&stdout);
+    let mut out = std::io::BufWriter::new(BarSafeWriter::new(stdout.lock(), stdout_is_terminal, reporter.clone()));
     match &args.command {
         ReplayCommand::Timeline(timeline) => {
             if timeline.selection.agent.is_none() && timeline.selection.surface.is_none() {
