@@ -81,7 +81,9 @@ const HTTP2_CONCURRENT_STREAMS_MAX: u32 = 256;
 const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 256 * 1024 * 1024;
 
 /// The smallest DATA frame payload that can never trip h2's small-frame budget with the settings
-/// above (every AppendStream request carrying an observation is larger).
+/// above. gRPC clients put a whole message (or several) in a frame, except at window edges, and
+/// every AppendStream request with a valid Slack, chat or Linear observation is larger; a flood of
+/// tinier frames is what the guard is for.
 const HTTP2_FRAME_BYTES_MIN: u64 = 29;
 
 /// h2's per-frame accounting: frames below this many payload bytes cost the difference.
