@@ -1,4 +1,4 @@
-//! The access matrix of DESIGN §6, end to end: every RPC of every service the server has, called
+//! The access matrix (roles × RPCs), end to end: every RPC of every service the server has, called
 //! by every kind of caller — connector, runtime scoped to ada, replay, analytics, admin, a wrong
 //! token and no token — against the real binary. The expected answer of each (caller, RPC) is
 //! written out below from the design, not derived from the server's own matrix; a refused call
@@ -171,7 +171,7 @@ enum Expect {
     PastAuth,
 }
 
-/// The matrix of DESIGN §6, written from the design: `agent` is the agent the request acts for.
+/// The matrix, written from the design (README: roles): `agent` is the agent the request acts for.
 fn expected(caller: Caller, rpc: Rpc, agent: &str) -> Expect {
     use Expect::*;
     let service = rpc.service();

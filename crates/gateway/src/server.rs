@@ -57,6 +57,73 @@ async fn report_draining(health: &tonic_health::server::HealthReporter) {
     }
 }
 
+// HTTP/2 limits. h2 (0.4) closes a connection with GOAWAY `too_many_data_frames`
+// (ENHANCE_YOUR_CALM) when the DATA frames it has received but the application has not yet read
+// cost more than a budget: a frame with a payload of p < 256 bytes costs 256 - p, and the budget
+// is half the connection's target window (at least 25,600). Flow control bounds the unread bytes,
+// not the frames, so with the defaults (1 MiB connection and stream windows, so a budget of
+// 512 KiB) about 340 KB of ~90-byte messages unread — a gRPC client that sends each small message
+// in its own frame while the server is busy, e.g. grpcio streaming into AppendStream on a loaded
+// machine — ended the connection. So the stream windows bound what may sit unread
+// (concurrent streams × stream window), and the connection window is set so large that its
+// budget covers all of that even in frames of HTTP2_FRAME_BYTES_MIN bytes. Memory stays bounded
+// by the stream windows: at most 16 MiB of unread request data per connection.
+
+/// The stream flow-control window: HTTP/2's default, what a client may send before it has read
+/// our settings anyway.
+const HTTP2_STREAM_WINDOW_BYTES: u32 = 65_535;
+
+/// Concurrent streams (calls) per connection; a client queues more until one ends.
+const HTTP2_CONCURRENT_STREAMS_MAX: u32 = 256;
+
+/// The connection flow-control window: never the binding limit (the stream windows are); large so
+/// that h2's small-frame budget (half of it) covers everything the stream windows let in.
+const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 256 * 1024 * 1024;
+
+/// The smallest DATA frame payload that can never trip h2's small-frame budget with the settings
+/// above. gRPC clients put a whole message (or several) in a frame, except at window edges, and
+/// every AppendStream request with a valid Slack, chat or Linear observation is larger; a flood of
+/// tinier frames is what the guard is for.
+const HTTP2_FRAME_BYTES_MIN: u64 = 29;
+
+/// h2's per-frame accounting: frames below this many payload bytes cost the difference.
+const H2_FRAME_OVERHEAD_BYTES: u64 = 256;
+
+const _: () = {
+    let unread_bytes_max = HTTP2_CONCURRENT_STREAMS_MAX as u64 * HTTP2_STREAM_WINDOW_BYTES as u64;
+    let frames_max = unread_bytes_max / HTTP2_FRAME_BYTES_MIN;
+    let budget = HTTP2_CONNECTION_WINDOW_BYTES as u64 / 2;
+    assert!(frames_max * (H2_FRAME_OVERHEAD_BYTES - HTTP2_FRAME_BYTES_MIN) <= budget);
+    assert!(HTTP2_CONNECTION_WINDOW_BYTES as u64 >= unread_bytes_max);
+};
+
+/// The file in the data dir that says where the server holding the dir serves gRPC, so that
+/// `anima-wake replay --data DIR` reaches that server and no other.
+pub const SERVING_FILE: &str = "anima-wake.serving";
+
+/// What [`SERVING_FILE`] says: the process, its gRPC address, and whether it serves TLS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServingRecord {
+    pub pid: u32,
+    pub grpc: SocketAddr,
+    pub tls: bool,
+}
+
+impl ServingRecord {
+    pub fn encode(&self) -> String {
+        format!("pid {}\ngrpc {}\ntls {}\n", self.pid, self.grpc, self.tls)
+    }
+
+    /// `None` unless the text is exactly what [`ServingRecord::encode`] writes.
+    pub fn decode(text: &str) -> Option<ServingRecord> {
+        let mut lines = text.lines();
+        let pid = lines.next()?.strip_prefix("pid ")?.parse().ok()?;
+        let grpc = lines.next()?.strip_prefix("grpc ")?.parse().ok()?;
+        let tls = lines.next()?.strip_prefix("tls ")?.parse().ok()?;
+        lines.next().is_none().then_some(ServingRecord { pid, grpc, tls })
+    }
+}
+
 /// A running server.
 pub struct RunningServer {
     pub local_addr: SocketAddr,
@@ -73,6 +140,7 @@ pub struct RunningServer {
     runner: Option<tokio::task::JoinHandle<Result<(), anima_engine::projection::RunnerError>>>,
     recovery: Option<tokio::task::JoinHandle<()>>,
     scheduler: Option<tokio::task::JoinHandle<()>>,
+    serving_file: std::path::PathBuf,
 }
 
 /// Why a server stopped on its own: a task it cannot serve without ended.
@@ -121,6 +189,10 @@ impl RunningServer {
         }
         if let Some(scheduler) = self.scheduler {
             scheduler.await.context("memory-pass scheduler task")?;
+        }
+        // Still holding the data dir: nobody else wrote it meanwhile.
+        if let Err(e) = std::fs::remove_file(&self.serving_file) {
+            tracing::warn!(path = %self.serving_file.display(), error = %e, "removing the serving file");
         }
         runner?;
         Ok(())
@@ -215,7 +287,10 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         }
         None => None,
     };
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW_BYTES)
+        .max_concurrent_streams(HTTP2_CONCURRENT_STREAMS_MAX);
     if let Some(tls) = tls {
         builder = builder.tls_config(tls).context("tls_cert, tls_key: not a usable PEM certificate chain and key")?;
     }
@@ -245,6 +320,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     let listener =
         tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     let local_addr = listener.local_addr()?;
+    // Written while this process holds the data dir (the instance opened it above).
+    let serving_file = config.data.join(SERVING_FILE);
+    let record = ServingRecord { pid: std::process::id(), grpc: local_addr, tls: config.tls_files().is_some() };
+    std::fs::write(&serving_file, record.encode())
+        .with_context(|| format!("data: writing {}", serving_file.display()))?;
     let (health, health_service) = tonic_health::server::health_reporter();
     for service in SERVED_SERVICES {
         health.set_service_status(service, tonic_health::ServingStatus::Serving).await;
@@ -322,6 +402,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         runner: Some(runner),
         recovery: Some(recovery),
         scheduler,
+        serving_file,
     })
 }
 
