@@ -22,7 +22,8 @@ pub struct Config {
     /// Data directory: the embedded log (when no NATS URL is given) and the checkpoints.
     #[serde(default = "default_data")]
     pub data: PathBuf,
-    /// NATS URL; when set the log is the JetStream stream `stream` there.
+    /// NATS server URL, or a comma-separated list of a cluster's servers; when set the log is the
+    /// JetStream stream `stream` there.
     #[serde(default)]
     pub nats: Option<String>,
     #[serde(default = "default_stream")]
@@ -268,6 +269,11 @@ impl Config {
                 bail!("agents[{index}].chat_user_id: must be at most 96 bytes without whitespace");
             }
         }
+        if let Some(nats) = &self.nats {
+            // Checked here so a typo reads as the setting it is, not as "event log unavailable".
+            anima_engine::log::jetstream::parse_servers(nats)
+                .map_err(|e| anyhow::anyhow!("nats (--nats, ANIMA_NATS): {e}"))?;
+        }
         if self.replicas == 0 || self.replicas > 5 {
             bail!("replicas: must be 1..=5");
         }
@@ -318,6 +324,23 @@ mod tests {
         check(&format!("listen = \"0.0.0.0:50051\"\n{tls}{TOKEN}"), Ok(()));
         check(&format!("listen = \"0.0.0.0:50051\"\n{TOKEN}"), Ok(()));
         check(&format!("listen = \"[::1]:50051\"\n{tls}"), Ok(()));
+    }
+
+    #[test]
+    fn nats_takes_a_server_list_and_a_bad_entry_names_the_setting() {
+        check("nats = \"nats://127.0.0.1:4222\"", Ok(()));
+        check("nats = \"nats://127.0.0.1:4222,nats://127.0.0.1:4223, 127.0.0.1:4224\"", Ok(()));
+        check(
+            "nats = \"nats://127.0.0.1:4222,nats://127.0.0.1:99999\"",
+            Err("nats (--nats, ANIMA_NATS): \"nats://127.0.0.1:99999\" is not a NATS server URL"),
+        );
+        check("nats = \"http://127.0.0.1:4222\"", Err("nats (--nats, ANIMA_NATS): \"http://127.0.0.1:4222\" is not"));
+        check("nats = \"nats://127.0.0.1:4222,\"", Err("nats (--nats, ANIMA_NATS): server 2 of 2 is empty"));
+        check("nats = \"\"", Err("nats (--nats, ANIMA_NATS): must name at least one server"));
+        let long = format!("nats = \"nats://{}:4222\"", "h".repeat(100_000));
+        let config: Config = toml::from_str(&long).expect("parses");
+        let error = config.validate().expect_err("a 100 kB host is refused").to_string();
+        assert!(error.len() < 400, "the refusal echoes at most a clipped part: {} bytes", error.len());
     }
 
     #[test]

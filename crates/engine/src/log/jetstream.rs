@@ -65,10 +65,76 @@ const ACK_INFLIGHT_PER_CONNECTION_FACTOR: usize = 4;
 /// forever.
 const READ_STALL_MIN: Duration = Duration::from_secs(15);
 
+/// Most servers one server list may name. A cluster has 3 or 5; the bound keeps a mistaken list
+/// (a pasted file) from becoming thousands of connection attempts.
+pub const SERVERS_MAX: usize = 32;
+
+/// Longest server URL accepted, in bytes: a host name is at most 253, credentials and a port fit
+/// in the rest.
+pub const SERVER_URL_BYTES_MAX: usize = 1_024;
+
+/// Interval of the client's PINGs on an idle connection. async-nats drops a connection when a
+/// third PING finds two unanswered, so a frozen server (SIGSTOP, a dead route) is left for
+/// another one after about three intervals: ~6 s here, against ~3 minutes with the library's
+/// default of 60 s. Any traffic from the server resets the timer, so a busy connection sends none.
+pub const PING_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The servers of a comma-separated list such as `nats://10.0.0.1:4222,nats://10.0.0.2:4222`, in
+/// order (`host:port` alone means `nats://`). The error names the entry (quoted, clipped) and
+/// what is wrong with it, for a message that then names the flag or key it came from.
+pub fn parse_servers(list: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    let entries: Vec<&str> = list.split(',').map(str::trim).collect();
+    if entries.len() > SERVERS_MAX {
+        return Err(format!("names {} servers; at most {SERVERS_MAX}", entries.len()));
+    }
+    let mut servers = Vec::with_capacity(entries.len());
+    for (index, entry) in entries.iter().enumerate() {
+        if entry.is_empty() {
+            return Err(if entries.len() == 1 {
+                "must name at least one server, e.g. nats://127.0.0.1:4222".to_owned()
+            } else {
+                format!("server {} of {} is empty (a stray comma?)", index + 1, entries.len())
+            });
+        }
+        if entry.len() > SERVER_URL_BYTES_MAX {
+            return Err(format!(
+                "{} is {} bytes; a server URL has at most {SERVER_URL_BYTES_MAX}",
+                crate::validate::echo(entry),
+                entry.len()
+            ));
+        }
+        let server: async_nats::ServerAddr =
+            entry.parse().map_err(|e| format!("{} is not a NATS server URL: {e}", crate::validate::echo(entry)))?;
+        if server.host().is_empty() {
+            return Err(format!("{} names no host", crate::validate::echo(entry)));
+        }
+        servers.push(server);
+    }
+    Ok(servers)
+}
+
+/// Connects a client to the first reachable server of `config.url` (a comma-separated list),
+/// with the bounds this log relies on: the connection timeout, the request timeout and
+/// [`PING_INTERVAL`]. A malformed list is a configuration error (`Store`), not `Unavailable`:
+/// retrying cannot fix it.
+pub async fn connect_client(config: &JetStreamConfig, name: &str) -> LogResult<async_nats::Client> {
+    let servers = parse_servers(&config.url).map_err(|e| LogError::Store(format!("NATS server list: {e}")))?;
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(config.request_timeout)
+        .request_timeout(Some(config.request_timeout))
+        .ping_interval(PING_INTERVAL)
+        .connect(servers)
+        .await
+        .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))
+}
+
 /// Settings of the JetStream log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JetStreamConfig {
-    /// Server URL(s), e.g. `nats://127.0.0.1:4222`; comma-separated for a cluster.
+    /// Server URL(s), e.g. `nats://127.0.0.1:4222`; comma-separated for a cluster (see
+    /// [`parse_servers`]). The client connects to the first that answers and learns the rest of
+    /// the cluster from it, so an engine can start while any one listed node is down.
     pub url: String,
     /// Stream name. Several deployments can share a server under different names only if their
     /// subjects do not overlap, and they all use `anima.v1.>`: one deployment per account.
@@ -137,6 +203,9 @@ impl JetStreamConfig {
         if self.request_timeout.is_zero() {
             return misconfigured("request_timeout must be positive".into());
         }
+        if let Err(e) = parse_servers(&self.url) {
+            return misconfigured(format!("NATS server list: {e}"));
+        }
         Ok(())
     }
 
@@ -189,13 +258,7 @@ impl JetStreamLog {
     /// `Unavailable`; incompatible stream or settings: `Store` naming every problem.
     pub async fn connect(config: JetStreamConfig) -> LogResult<Self> {
         config.validate()?;
-        let client = async_nats::ConnectOptions::new()
-            .name("anima-engine")
-            .connection_timeout(config.request_timeout)
-            .request_timeout(Some(config.request_timeout))
-            .connect(config.url.as_str())
-            .await
-            .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))?;
+        let client = connect_client(&config, "anima-engine").await?;
         let context = jetstream::ContextBuilder::new()
             .timeout(config.request_timeout)
             .max_ack_inflight(config.ack_window.saturating_mul(ACK_INFLIGHT_PER_CONNECTION_FACTOR))
