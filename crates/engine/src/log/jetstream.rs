@@ -505,6 +505,9 @@ impl EventLog for JetStreamLog {
             Ok(message) => stream_message_record(message).map(Some),
             Err(e) => match e.kind() {
                 RawMessageErrorKind::NoMessageFound => Ok(None),
+                RawMessageErrorKind::JetStream(api) if retryable(&api) => {
+                    Err(LogError::Unavailable(format!("get of {seq} (retry): {e}")))
+                }
                 RawMessageErrorKind::JetStream(_) | RawMessageErrorKind::InvalidSubject => {
                     Err(LogError::Store(format!("get of {seq}: {e}")))
                 }
@@ -613,6 +616,10 @@ async fn open_stream(context: &jetstream::Context, config: &JetStreamConfig) -> 
                     .await
                     .map_err(|e| LogError::Unavailable(format!("cannot read stream {}: {e}", config.stream)))
             }
+            CreateStreamErrorKind::JetStream(api) if retryable(&api) => Err(LogError::Unavailable(format!(
+                "cannot create stream {} yet (the cluster is electing or placing it): {e}",
+                config.stream
+            ))),
             CreateStreamErrorKind::JetStream(_)
             | CreateStreamErrorKind::EmptyStreamName
             | CreateStreamErrorKind::InvalidStreamName
@@ -727,13 +734,43 @@ fn publish_error(e: PublishError) -> LogError {
     }
 }
 
-/// A JetStream API error anywhere in the chain means the server answered and refused: `Store`
-/// (fail closed). Anything else (timeouts, no responders, a dropped connection) is transport:
-/// `Unavailable`.
+/// Whether a JetStream API error may succeed if the same request is retried: the cluster is
+/// between leaders or still replicating, not refusing the request for good.
+///
+/// * `duplicate message id is in process` (10158): a retry reached the leader while the first
+///   copy was still being replicated; retrying with the same msg id then answers "duplicate".
+/// * No leader, no quorum, peers or placement missing, a Raft or member change under way
+///   (10004-10009, 10041, 10075, 10202): an election or a node coming back, over in seconds.
+///
+/// Everything else (a wrong configuration, limits, a missing stream) is permanent: fail closed.
+fn retryable(error: &jetstream::Error) -> bool {
+    use jetstream::ErrorCode;
+    const RETRYABLE: [ErrorCode; 10] = [
+        ErrorCode::STREAM_DUPLICATE_MESSAGE_CONFLICT,
+        ErrorCode::CLUSTER_INCOMPLETE,
+        ErrorCode::CLUSTER_NO_PEERS,
+        ErrorCode::CLUSTER_NOT_ACTIVE,
+        ErrorCode::CLUSTER_NOT_ASSIGNED,
+        ErrorCode::CLUSTER_NOT_AVAILABLE,
+        ErrorCode::CLUSTER_NOT_LEADER,
+        ErrorCode::RAFT_GENERAL,
+        ErrorCode::PEER_REMAP,
+        ErrorCode::CLUSTER_SERVER_MEMBER_CHANGE_INFLIGHT,
+    ];
+    RETRYABLE.contains(&error.error_code())
+}
+
+/// A JetStream API error that may pass on retry ([`retryable`]), or no API error at all
+/// (timeouts, no responders during an election, a dropped connection), is `Unavailable`: the
+/// caller retries with the same msg id. Any other API error anywhere in the chain means the
+/// server answered and refused for good: `Store` (fail closed).
 fn classify(operation: &str, error: &(dyn std::error::Error + 'static)) -> LogError {
     let mut source = Some(error);
     while let Some(current) = source {
-        if current.downcast_ref::<jetstream::Error>().is_some() {
+        if let Some(api) = current.downcast_ref::<jetstream::Error>() {
+            if retryable(api) {
+                return LogError::Unavailable(format!("{operation} (retry with the same msg_id): {error}"));
+            }
             return LogError::Store(format!("{operation}: {error}"));
         }
         source = current.source();
@@ -769,6 +806,39 @@ mod tests {
         for malformed in ["", "anima..v1", "anima.>.x", "anima.v1.a*", "anima.v1.a b"] {
             assert!(matches!(plan(malformed), Err(LogError::Invalid(_))), "{malformed:?}");
         }
+    }
+
+    fn api_error(code: usize, err_code: u64, description: &str) -> PublishError {
+        let api: jetstream::Error = serde_json::from_value(serde_json::json!({
+            "code": code, "err_code": err_code, "description": description,
+        }))
+        .expect("an API error");
+        PublishError::with_source(PublishErrorKind::Other, api)
+    }
+
+    #[test]
+    fn errors_that_pass_on_retry_are_unavailable_and_refusals_fail_closed() {
+        let retry = [
+            api_error(409, 10158, "duplicate message id is in process"),
+            api_error(503, 10008, "JetStream system temporarily unavailable"),
+            api_error(500, 10009, "JetStream cluster can not handle request"),
+            api_error(500, 10041, "raft general error"),
+        ];
+        for error in retry {
+            let shown = error.to_string();
+            assert!(matches!(publish_error(error), LogError::Unavailable(_)), "{shown}");
+        }
+        let refused = [
+            api_error(400, 10054, "message size exceeds maximum allowed"),
+            api_error(400, 10047, "insufficient storage resources available"),
+            api_error(503, 10039, "jetstream not enabled for account"),
+        ];
+        for error in refused {
+            let shown = error.to_string();
+            assert!(matches!(publish_error(error), LogError::Store(_)), "{shown}");
+        }
+        assert!(matches!(publish_error(PublishError::new(PublishErrorKind::TimedOut)), LogError::Unavailable(_)));
+        assert!(matches!(publish_error(PublishError::new(PublishErrorKind::StreamNotFound)), LogError::Unavailable(_)));
     }
 
     #[test]

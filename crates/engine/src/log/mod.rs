@@ -99,12 +99,15 @@ impl SubjectFilter {
 /// Errors of log operations. Each variant says what the caller should do.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    /// The log cannot be reached or did not answer in time. Retry with the same `msg_id`; the
-    /// append may or may not have been stored. Maps to `UNAVAILABLE`.
+    /// The log cannot be reached, did not answer in time, or answered with an error that passes
+    /// on retry (a cluster electing a leader, a first copy of the same msg id still
+    /// replicating). Retry with the same `msg_id`; the append may or may not have been stored.
+    /// Maps to `UNAVAILABLE`.
     #[error("event log unavailable: {0}")]
     Unavailable(String),
     /// The store is inconsistent or misconfigured (e.g. the stream exists with incompatible
-    /// settings, a record does not decode). Do not retry blindly; fail closed.
+    /// settings, a record does not decode, a malformed server list), or the server refused for
+    /// good. Do not retry blindly; fail closed. Maps to `FAILED_PRECONDITION`.
     #[error("event log store error: {0}")]
     Store(String),
     /// The input cannot be stored (empty subject or msg id, subject outside `anima.v1.>`, over
