@@ -189,10 +189,27 @@ pub fn linear_text(field: &'static str, value: &str) -> Result<(), CommandError>
     Ok(())
 }
 
+/// A memory digest (`anima-wake digest`): SHA-256, so exactly this many bytes.
+pub const MEMORY_DIGEST_BYTES: usize = 32;
+
+/// An optional memory digest: empty, or exactly [`MEMORY_DIGEST_BYTES`]. Anything else is refused
+/// before it reaches the log (a 900 KB "digest" would otherwise be stored in every replica).
+pub fn memory_digest(field: &'static str, value: &[u8]) -> Result<(), CommandError> {
+    if value.is_empty() || value.len() == MEMORY_DIGEST_BYTES {
+        return Ok(());
+    }
+    Err(invalid(
+        field,
+        format!("{} bytes; a memory digest is empty or exactly {MEMORY_DIGEST_BYTES} (SHA-256)", value.len()),
+    ))
+}
+
 /// An optional client request id: empty, or a UUID.
 pub fn request_id(value: &str) -> Result<Option<uuid::Uuid>, CommandError> {
     if value.is_empty() {
         return Ok(None);
     }
-    uuid::Uuid::parse_str(value).map(Some).map_err(|_| invalid("request_id", "must be empty or a UUID"))
+    uuid::Uuid::parse_str(value)
+        .map(Some)
+        .map_err(|_| invalid("request_id", format!("{} is not a UUID (send one, or leave it empty)", echo(value))))
 }

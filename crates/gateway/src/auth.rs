@@ -77,7 +77,10 @@ impl Principal {
         match self.role {
             Role::Admin | Role::Connector | Role::Replay => Ok(()),
             Role::Runtime if self.agents.contains(agent) => Ok(()),
-            _ => Err(Status::permission_denied(format!("this token may not act for agent {agent:?}"))),
+            _ => Err(Status::permission_denied(format!(
+                "this token may not act for agent {}",
+                anima_engine::validate::echo(agent)
+            ))),
         }
     }
 

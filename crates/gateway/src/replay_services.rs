@@ -76,7 +76,10 @@ fn surface(key: &str, field: &str) -> Result<Option<SurfaceId>, Status> {
         return Ok(None);
     }
     SurfaceId::parse(key).map(Some).ok_or_else(|| {
-        Status::invalid_argument(format!("{field}: {key:?} is not a surface key (slack:T:C or slack:T:C:thread:TS)"))
+        Status::invalid_argument(format!(
+            "{field}: {} is not a surface key (slack:T:C or slack:T:C:thread:TS)",
+            anima_engine::validate::echo(key)
+        ))
     })
 }
 
