@@ -69,6 +69,8 @@ const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
 /// Events the writer may run ahead of the test's next step, so appends are in flight at every
 /// kill whatever the machine's speed.
 const WRITER_SLACK_EVENTS: usize = 10_000;
+/// Timeout of the test's stream-info requests.
+const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
 /// Pause between two attempts of a batch that failed `Unavailable` (a connector's retry pace).
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -165,7 +167,15 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
     .await;
     let log = Arc::new(log);
     let servers = parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
-    let admin = async_nats::jetstream::new(async_nats::connect(servers).await.expect("admin connection"));
+    // The test's own view of the cluster: short timeouts, so a question sent to the node just
+    // killed does not hide how soon the others elected a leader.
+    let admin_client = async_nats::ConnectOptions::new()
+        .request_timeout(Some(ADMIN_TIMEOUT))
+        .ping_interval(ADMIN_TIMEOUT)
+        .connect(servers)
+        .await
+        .expect("admin connection");
+    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
     poll_until("the stream has a leader and current followers", || async {
         stream_cluster(&admin).await.filter(|(_, current)| *current)
     })
