@@ -192,7 +192,11 @@ impl Auth {
         };
         if !allowed(principal.role, path) {
             tracing::info!(token = %principal.name, path, "permission denied");
-            return Err(Status::permission_denied(format!("role {:?} may not call {path}", principal.role)));
+            return Err(Status::permission_denied(format!(
+                "role {:?} may not call {}",
+                principal.role,
+                anima_engine::validate::echo(path)
+            )));
         }
         Ok(principal)
     }

@@ -35,6 +35,10 @@ use crate::api;
 
 /// Maps a replay error to a gRPC status. The one place where this happens for replay.
 pub fn replay_status(error: ReplayError) -> Status {
+    crate::services::clipped(replay_status_unclipped(error))
+}
+
+fn replay_status_unclipped(error: ReplayError) -> Status {
     match error {
         ReplayError::InvalidArgument { field, reason } => Status::invalid_argument(format!("{field}: {reason}")),
         ReplayError::NotFound(message) => Status::not_found(message),

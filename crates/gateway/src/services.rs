@@ -22,7 +22,11 @@ pub const STATUS_MESSAGE_BYTES_MAX: usize = 2_048;
 
 /// Maps an engine error to a gRPC status. The one place where this happens.
 pub fn status(error: CommandError) -> Status {
-    let status = status_unclipped(error);
+    clipped(status_unclipped(error))
+}
+
+/// `status` with its message cut to [`STATUS_MESSAGE_BYTES_MAX`] bytes (and `…`).
+pub fn clipped(status: Status) -> Status {
     if status.message().len() <= STATUS_MESSAGE_BYTES_MAX {
         return status;
     }

@@ -89,7 +89,10 @@ impl SubjectFilter {
                 || (token.len() > 1 && token.contains(['*', '>']))
                 || (*token == ">" && index != last);
             if malformed {
-                return Err(LogError::Invalid(format!("subject filter {:?} is malformed", self.0)));
+                return Err(LogError::Invalid(format!(
+                    "subject filter {} is malformed",
+                    crate::validate::echo(&self.0)
+                )));
             }
         }
         Ok(())
@@ -170,7 +173,10 @@ pub fn validate_record(record: &AppendRecord) -> LogResult<()> {
         return Err(LogError::Invalid("msg_id must not contain whitespace or control characters".into()));
     }
     if !record.subject.starts_with("anima.v1.") || crate::subject::check_subject(&record.subject).is_err() {
-        return Err(LogError::Invalid(format!("subject {:?} is not a valid anima.v1 subject", record.subject)));
+        return Err(LogError::Invalid(format!(
+            "subject {} is not a valid anima.v1 subject",
+            crate::validate::echo(&record.subject)
+        )));
     }
     if record.payload.len() > PAYLOAD_BYTES_MAX {
         return Err(LogError::Invalid(format!(
