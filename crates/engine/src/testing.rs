@@ -106,6 +106,27 @@ impl NatsServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): its sockets stay open but nothing answers, as with a hung
+    /// machine or a partition that drops packets. [`Self::thaw`] lets it go on.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server go on (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("signal a running server");
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run kill {signal}: {e}"));
+        assert!(status.success(), "kill {signal} {} failed: {status}", child.id());
+    }
+
     /// Whether the server process is running (not killed).
     pub fn is_running(&self) -> bool {
         self.child.is_some()

@@ -144,7 +144,7 @@ async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, m
 
 /// Given a 3-node cluster and an R3 stream, when the stream leader is killed (SIGKILL) three
 /// times while one writer appends 60,000 events (each failed batch retried with the same msg
-/// ids), then every event is stored exactly once, at the seq its ack reported: nothing
+/// ids), and then the node the log is connected to freezes, then every event is stored exactly once, at the seq its ack reported: nothing
 /// acknowledged is lost, nothing is duplicated. Prints how long appends were unavailable after
 /// each kill (not asserted: speed is the report's, not the test's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,6 +218,23 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
         .await;
         kills.push((leader, new_leader, acknowledged_at_kill, killed_at, elected_at));
     }
+    // Then the node the log is connected to freezes (SIGSTOP): the client must notice by its
+    // pings and move to another node.
+    let frozen = log.connected_server();
+    let frozen_node = cluster.node_named(&frozen).unwrap_or_else(|| panic!("connected to {frozen:?}, not a node"));
+    let acknowledged_at_freeze = *progress.borrow();
+    open_gate(acknowledged_at_freeze + WRITER_SLACK_EVENTS);
+    cluster.node(frozen_node).freeze();
+    let frozen_at = tokio::time::Instant::now();
+    tokio::time::timeout(
+        CLUSTER_STEP_DEADLINE,
+        progress.wait_for(|acknowledged| *acknowledged >= acknowledged_at_freeze + FAILOVER_BATCH),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no appends while {frozen} is frozen"))
+    .expect("the writer is running");
+    let moved_to = log.connected_server();
+    cluster.node(frozen_node).thaw();
     open_gate(FAILOVER_EVENTS);
     let written =
         tokio::time::timeout(4 * CLUSTER_STEP_DEADLINE, writer).await.expect("the writer finishes").expect("writer");
@@ -258,6 +275,13 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
             resumed_at.saturating_duration_since(*elected_at).as_secs_f64(),
         );
     }
+    let resumed_at = written.batch_done_at.iter().find(|done| **done > frozen_at).expect("a batch after the freeze");
+    eprintln!(
+        "  freeze of {frozen} (the node the log was connected to) after {acknowledged_at_freeze} events: \
+         appends unavailable {:.2} s, connection moved to {moved_to}",
+        (*resumed_at - frozen_at).as_secs_f64()
+    );
+    assert_ne!(moved_to, frozen, "the log left the frozen node");
     assert_eq!(written.acknowledged.len(), FAILOVER_EVENTS, "every batch was acknowledged in the end");
     assert_eq!(kills.len(), KILL_AFTER_ACKNOWLEDGED.len());
     assert_eq!(duplicates, 0, "no event is stored twice");
