@@ -233,7 +233,7 @@ impl Engine {
         if self.projection.state().agents.contains_key(&agent.to_owned()) {
             Ok(())
         } else {
-            Err(invalid(field, format!("unknown agent {agent:?}")))
+            Err(invalid(field, format!("unknown agent {}", validate::echo(agent))))
         }
     }
 
@@ -647,7 +647,10 @@ impl Engine {
         }
         for entry in &request.plan {
             if SurfaceId::parse(&entry.surface).is_none() {
-                return Err(invalid("plan.surface", format!("{:?} is not a surface key", entry.surface)));
+                return Err(invalid(
+                    "plan.surface",
+                    format!("{} is not a surface key", validate::echo(&entry.surface)),
+                ));
             }
         }
         let event_id = Self::request_event_id(request_id)?;
@@ -669,6 +672,8 @@ impl Engine {
         validate::id("worker_id", &request.worker_id)?;
         validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         validate::bounded("reason", &request.reason, validate::REASON_BYTES_MAX)?;
+        validate::memory_digest("memory_digest_before", &request.memory_digest_before)?;
+        validate::memory_digest("memory_digest_after", &request.memory_digest_after)?;
         match proto::WakeOutcome::try_from(request.outcome) {
             Ok(proto::WakeOutcome::Unspecified) | Err(_) => {
                 return Err(invalid("outcome", "must be COMPLETED, FAILED or ABORTED"))

@@ -908,12 +908,7 @@ impl DirectSource {
     /// A JetStream stream, read directly; `data_dir` (optional) holds its checkpoint for
     /// `verify`. Refuses a missing stream instead of creating it.
     pub async fn open_jetstream(config: JetStreamConfig, data_dir: Option<&Path>) -> Result<DirectSource, ReplayError> {
-        let client = async_nats::ConnectOptions::new()
-            .name("anima-wake-replay")
-            .connection_timeout(config.request_timeout)
-            .connect(config.url.as_str())
-            .await
-            .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))?;
+        let client = crate::log::jetstream::connect_client(&config, "anima-wake-replay").await?;
         let context = async_nats::jetstream::new(client);
         if let Err(e) = context.get_stream(&config.stream).await {
             return Err(ReplayError::Source(format!("no JetStream stream {} at {}: {e}", config.stream, config.url)));

@@ -77,7 +77,10 @@ impl Principal {
         match self.role {
             Role::Admin | Role::Connector | Role::Replay => Ok(()),
             Role::Runtime if self.agents.contains(agent) => Ok(()),
-            _ => Err(Status::permission_denied(format!("this token may not act for agent {agent:?}"))),
+            _ => Err(Status::permission_denied(format!(
+                "this token may not act for agent {}",
+                anima_engine::validate::echo(agent)
+            ))),
         }
     }
 
@@ -188,7 +191,11 @@ impl Auth {
         };
         if !allowed(principal.role, path) {
             tracing::info!(token = %principal.name, path, "permission denied");
-            return Err(Status::permission_denied(format!("role {:?} may not call {path}", principal.role)));
+            return Err(Status::permission_denied(format!(
+                "role {:?} may not call {}",
+                principal.role,
+                anima_engine::validate::echo(path)
+            )));
         }
         Ok(principal)
     }

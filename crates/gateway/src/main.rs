@@ -75,7 +75,8 @@ struct ServeArgs {
     /// gRPC listen address. Default 127.0.0.1:50051.
     #[arg(long, env = "ANIMA_LISTEN")]
     listen: Option<SocketAddr>,
-    /// NATS URL: use the JetStream stream there as the log instead of the embedded one.
+    /// NATS server URL, or a cluster's servers comma-separated (nats://a:4222,nats://b:4222): use
+    /// the JetStream stream there as the log instead of the embedded one.
     #[arg(long, env = "ANIMA_NATS")]
     nats: Option<String>,
     /// JetStream stream name. Default ANIMA.

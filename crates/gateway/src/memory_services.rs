@@ -77,7 +77,10 @@ impl api::memory_server::Memory for MemoryService {
             (state.memory_status(&agent, now), state.memory_config())
         };
         let Some(current) = current else {
-            return Err(Status::not_found(format!("agent_id: {agent:?} is neither registered nor in the scope")));
+            return Err(Status::not_found(format!(
+                "agent_id: {} is neither registered nor in the scope",
+                anima_engine::validate::echo(&agent)
+            )));
         };
         let next = MemoryPassCalendar::new(&config.settings).ok().and_then(|calendar| {
             let next = calendar.next_slot_at_ns(now, &agent)?;

@@ -47,7 +47,7 @@ pub struct ReplayArgs {
     /// Data directory of an embedded server (its log and checkpoints). Default ./data.
     #[arg(long, env = "ANIMA_DATA", global = true)]
     pub data: Option<PathBuf>,
-    /// Read the JetStream stream at this NATS URL directly.
+    /// Read the JetStream stream at this NATS URL (or comma-separated server list) directly.
     #[arg(long, env = "ANIMA_NATS", global = true)]
     pub nats: Option<String>,
     /// JetStream stream name.
@@ -242,6 +242,8 @@ async fn direct(args: &ReplayArgs) -> Result<DirectSource, ReplayError> {
     let data = data_dir(args);
     match &args.nats {
         Some(url) => {
+            anima_engine::log::jetstream::parse_servers(url)
+                .map_err(|e| ReplayError::Source(format!("--nats (ANIMA_NATS): {e}")))?;
             let config =
                 JetStreamConfig { url: url.clone(), stream: args.stream.clone(), ..JetStreamConfig::default() };
             DirectSource::open_jetstream(config, Some(&data)).await

@@ -35,6 +35,10 @@ use crate::api;
 
 /// Maps a replay error to a gRPC status. The one place where this happens for replay.
 pub fn replay_status(error: ReplayError) -> Status {
+    crate::services::clipped(replay_status_unclipped(error))
+}
+
+fn replay_status_unclipped(error: ReplayError) -> Status {
     match error {
         ReplayError::InvalidArgument { field, reason } => Status::invalid_argument(format!("{field}: {reason}")),
         ReplayError::NotFound(message) => Status::not_found(message),
@@ -76,7 +80,10 @@ fn surface(key: &str, field: &str) -> Result<Option<SurfaceId>, Status> {
         return Ok(None);
     }
     SurfaceId::parse(key).map(Some).ok_or_else(|| {
-        Status::invalid_argument(format!("{field}: {key:?} is not a surface key (slack:T:C or slack:T:C:thread:TS)"))
+        Status::invalid_argument(format!(
+            "{field}: {} is not a surface key (slack:T:C or slack:T:C:thread:TS)",
+            anima_engine::validate::echo(key)
+        ))
     })
 }
 

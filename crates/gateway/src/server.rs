@@ -348,6 +348,8 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     let router = builder
         .layer(RefusalLayer(metrics.clone()))
         .layer(AuthLayer(auth))
+        // Innermost: rewrites tonic's OUT_OF_RANGE for an over-size request before it is counted.
+        .layer(crate::transport_limit::TransportLimitLayer)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -1,5 +1,7 @@
 //! The engine's one integration-test binary (STYLE 10): each area is a module.
 
+mod bad_input;
+mod cluster;
 mod conformance;
 mod memory;
 mod replay;
