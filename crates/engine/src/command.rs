@@ -540,7 +540,7 @@ impl Engine {
                 let bodies = self.row_bodies(&held.shown).await?;
                 let rows: Vec<(&RowMeta, &RowBody)> =
                     held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
-                Some(render::render_held_notice(&request.agent_id, held.new_messages, held.omitted, &rows))
+                Some(render::render_held_notice(&request.agent_id, held.kind, held.new_messages, held.omitted, &rows))
             }
         };
         Ok(SendDecision { seq: outcome.seq(), verdict, notice })

@@ -10,7 +10,7 @@ use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
-use crate::verdict::{HeldSend, RefusalKind, SendVerdict, Verdict};
+use crate::verdict::{HeldSend, PostKind, RefusalKind, SendVerdict, Verdict};
 
 impl State {
     pub(crate) fn decide_send(&mut self, _at: LogPosition, request: &proto::SendRequested) -> Verdict {
@@ -48,29 +48,39 @@ impl State {
             });
         }
         let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
+        // Only foreign rows are new to the agent: its own rows after the cursor are neither
+        // counted nor shown (the cursor passes them with the rest of the tail). Rows older than
+        // the journal's window cannot be told apart any more and count as new.
+        let window_first = journal.recent.front().map_or(tail + 1, |row| row.ordinal);
+        let mut new_messages = window_first.saturating_sub(cursor + 1);
         let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());
         let mut shown = Vec::new();
-        for ordinal in (cursor + 1..=tail).rev() {
-            if shown.len() == ROWS_SHOWN_MAX {
-                break;
-            }
+        let mut showing = true;
+        for ordinal in (cursor.max(window_first - 1) + 1..=tail).rev() {
             let Some(row) = journal.row(ordinal) else {
                 return refused(
                     RefusalKind::FailedPrecondition,
                     format!("row {ordinal} of {surface} is missing from the journal window; refusing to decide"),
                 );
             };
-            let bytes = row.bytes_for(agent);
-            if bytes > budget {
-                break;
+            if row.is_own(agent) {
+                continue;
             }
-            budget -= bytes;
-            shown.push(row.clone());
+            new_messages += 1;
+            let bytes = row.bytes_for(agent);
+            if shown.len() == ROWS_SHOWN_MAX || bytes > budget {
+                showing = false;
+            }
+            if showing {
+                budget -= bytes;
+                shown.push(row.clone());
+            }
         }
         shown.reverse();
-        let new_messages = tail - cursor;
+        debug_assert!(!shown.is_empty() || new_messages > 0, "a hold has a foreign row after the cursor");
         let held = HeldSend {
             surface,
+            kind: PostKind::of(request.kind),
             cursor_before: cursor,
             tail,
             new_messages,

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::RowMeta;
+pub use crate::render::PostKind;
 use crate::subscription::Route;
 use crate::surface::SurfaceId;
 use crate::wake::{PlanEntry, WakeItem, WakeReason};
@@ -83,13 +84,15 @@ pub enum SendVerdict {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeldSend {
     pub surface: SurfaceId,
+    /// What was not sent, as the notice names it.
+    pub kind: PostKind,
     pub cursor_before: u64,
     pub tail: u64,
-    /// Rows after the cursor.
+    /// Foreign rows after the cursor: the agent's own rows there are not new to it.
     pub new_messages: u64,
-    /// Rows after the cursor not shown (the older ones).
+    /// Foreign rows after the cursor not shown (the older ones).
     pub omitted: u64,
-    /// The newest rows that fit the budget, oldest first.
+    /// The newest foreign rows that fit the budget, oldest first.
     pub shown: Vec<RowMeta>,
 }
 

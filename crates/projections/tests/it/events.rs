@@ -202,6 +202,8 @@ pub trait MessageExt {
     fn delivered_to(self, receiver: &str) -> Self;
     /// The source clock (and so the log time the test log stamps) `after` the log's start.
     fn occurred_after(self, after: Duration) -> Self;
+    /// A send request (or confirmation) of another kind of post than a message.
+    fn post_kind(self, kind: proto::SendKind) -> Self;
 }
 
 fn slack_message(envelope: &mut Envelope) -> &mut proto::SlackMessageObserved {
@@ -287,6 +289,16 @@ impl MessageExt for Envelope {
 
     fn occurred_after(mut self, after: Duration) -> Self {
         self.occurred_at_ms = LOG_START_MS + i64::try_from(after.as_millis()).expect("a test duration");
+        self
+    }
+
+    fn post_kind(mut self, kind: proto::SendKind) -> Self {
+        match self.payload.as_mut() {
+            Some(Payload::Send(s)) => s.kind = kind as i32,
+            Some(Payload::SendConfirmed(c)) => c.kind = kind as i32,
+            other => panic!("not a send: {other:?}"),
+        }
+        self.event_id = format!("{}:{}", self.event_id, kind.as_str_name());
         self
     }
 }
