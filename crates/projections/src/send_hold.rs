@@ -40,11 +40,14 @@ impl State {
             );
         }
         if last_foreign <= cursor {
-            self.cursors.insert(cursor_key, tail);
+            let advance = match self.advance_cursor(cursor_key, tail) {
+                Ok(advance) => advance,
+                Err(broken) => return cursor_refusal(&surface, broken),
+            };
             return Verdict::Send(SendVerdict::Allowed {
                 surface,
-                cursor_before: Some(cursor),
-                cursor_after: Some(tail),
+                cursor_before: advance.before,
+                cursor_after: Some(advance.after),
             });
         }
         let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
@@ -87,7 +90,14 @@ impl State {
             omitted: new_messages - shown.len() as u64,
             shown,
         };
-        self.cursors.insert(cursor_key, tail);
+        if let Err(broken) = self.advance_cursor(cursor_key, tail) {
+            return cursor_refusal(&held.surface, broken);
+        }
         Verdict::Send(SendVerdict::Held(held))
     }
+}
+
+/// A cursor move the rule forbids: fail closed, never allow.
+fn cursor_refusal(surface: &SurfaceId, broken: crate::cursor::CursorRuleBroken) -> Verdict {
+    refused(RefusalKind::FailedPrecondition, format!("{surface}: {broken}; refusing to decide"))
 }

@@ -570,20 +570,20 @@ impl State {
             }
             return refused(RefusalKind::Aborted, message);
         }
+        // Every cursor of the plan is checked before any moves: the start moves all or none.
         for entry in &plan {
-            let tail = self.journal(&entry.surface).map_or(0, |j| j.tail);
-            if entry.target > tail {
+            if let Err(broken) = self.check_cursor_advance(&agent, &entry.surface, entry.target) {
                 return refused(
                     RefusalKind::FailedPrecondition,
-                    format!("plan target {} is beyond the tail {tail} of {}", entry.target, entry.surface),
+                    format!("plan target {} of {}: {broken}", entry.target, entry.surface),
                 );
             }
         }
         let agent_key = self.agent_keys.intern(&agent);
         for entry in &plan {
             let key = (agent_key, self.surfaces.intern(&entry.surface));
-            let next = self.cursors.get(&key).copied().unwrap_or(0).max(entry.target);
-            self.cursors.insert(key, next);
+            let advanced = self.advance_cursor(key, entry.target);
+            debug_assert!(advanced.is_ok(), "checked above: {advanced:?}");
         }
         if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
             active.started_seq = Some(at.seq);
