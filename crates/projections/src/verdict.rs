@@ -25,9 +25,11 @@ pub enum Verdict {
         coalesced: Vec<String>,
     },
     HeartbeatRecorded,
-    /// A silent running wake was re-queued to resume.
+    /// A silent running wake was re-queued to resume, or a claim never started within its lease
+    /// was re-queued (`started: false`) for any worker to claim.
     Recovered {
         item_id: String,
+        started: bool,
     },
     SubscriptionChanged {
         surface: SurfaceId,

@@ -21,6 +21,11 @@ pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
 pub const SETTLED_REMEMBERED_NS: i64 = 14 * 24 * 3600 * 1_000_000_000;
 /// A running wake without a heartbeat for this long (log time) may be recovered.
 pub const HEARTBEAT_SILENCE_NS: i64 = 30 * 60 * 1_000_000_000;
+/// The claim lease of a claim request that names none (written before leases existed).
+pub const CLAIM_LEASE_DEFAULT_SECONDS: u32 = 300;
+/// The longest claim lease a request may ask for: a day. A claim that waits longer for its start
+/// is stuck by any measure.
+pub const CLAIM_LEASE_MAX_SECONDS: u32 = 86_400;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WakeReason {
@@ -101,8 +106,34 @@ pub struct ActiveWake {
     pub claimed_seq: u64,
     /// `Some` once a start was accepted.
     pub started_seq: Option<u64>,
-    /// Log time of the accepted start, then of the newest heartbeat.
+    /// Log time of the claim, then of the accepted start, then of the newest heartbeat.
     pub last_alive_ns: i64,
+    /// How long a claimed (not started) wake stays claimed after its last sign of life, in log
+    /// nanoseconds; the claim request carried it.
+    pub claim_lease_ns: i64,
+}
+
+impl ActiveWake {
+    /// Whether this is a claim whose lease ran out by log time `at_ns`: never started, and no
+    /// sign of life for the whole lease. Such a claim is dead: its start is refused and the
+    /// recovery loop re-queues it.
+    pub fn claim_lease_expired(&self, at_ns: i64) -> bool {
+        self.started_seq.is_none() && at_ns.saturating_sub(self.last_alive_ns) >= self.claim_lease_ns
+    }
+
+    /// Log time at which a claimed wake's lease runs out.
+    pub fn claim_lease_ends_ns(&self) -> i64 {
+        self.last_alive_ns.saturating_add(self.claim_lease_ns)
+    }
+}
+
+/// The lease a claim request asks for, in log nanoseconds (0: the default; bounded).
+pub fn claim_lease_ns(claim_lease_seconds: u32) -> i64 {
+    let seconds = match claim_lease_seconds {
+        0 => CLAIM_LEASE_DEFAULT_SECONDS,
+        seconds => seconds.min(CLAIM_LEASE_MAX_SECONDS),
+    };
+    i64::from(seconds) * 1_000_000_000
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -461,13 +492,16 @@ impl State {
             return refused(RefusalKind::InvalidArgument, "worker_id is empty");
         }
         if let Some(active) = self.queue(&agent).and_then(|q| q.active.as_ref()) {
-            return refused(
-                RefusalKind::Aborted,
+            let state = if active.started_seq.is_some() {
+                "running".to_owned()
+            } else {
                 format!(
-                    "the agent already has a {} wake; this claim lost",
-                    if active.started_seq.is_some() { "running" } else { "claimed" }
-                ),
-            );
+                    "claimed (by {}; its lease ends {} s from now unless it starts or heart-beats)",
+                    active.worker,
+                    active.claim_lease_ends_ns().saturating_sub(at.at_ns).max(0) / 1_000_000_000
+                )
+            };
+            return refused(RefusalKind::Aborted, format!("the agent already has a {state} wake; this claim lost"));
         }
         let mut settled_without_turn = Vec::new();
         loop {
@@ -511,6 +545,7 @@ impl State {
                 claimed_seq: at.seq,
                 started_seq: None,
                 last_alive_ns: at.at_ns,
+                claim_lease_ns: claim_lease_ns(request.claim_lease_seconds),
             });
             return Verdict::Claim(ClaimVerdict::Claimed(Box::new(ClaimedWake {
                 item,
@@ -536,6 +571,9 @@ impl State {
         }
         if active.started_seq.is_some() {
             return refused(RefusalKind::FailedPrecondition, "that wake already started");
+        }
+        if active.claim_lease_expired(at.at_ns) {
+            return self.release_expired_claim(&agent, &active, "start");
         }
         let mut plan = Vec::with_capacity(request.plan.len());
         for entry in &request.plan {
@@ -623,40 +661,71 @@ impl State {
         covered
     }
 
+    /// A heartbeat extends a running wake's life and a claimed one's lease, by log time.
     pub(crate) fn record_heartbeat(&mut self, at: LogPosition, request: &proto::WakeHeartbeat) -> Verdict {
-        let active = self.queues.get_mut(&request.agent_id).and_then(|q| q.active.as_mut());
+        let active = self.queue(&request.agent_id).and_then(|q| q.active.clone());
         match active {
-            Some(active)
-                if active.item.id == request.item_id
-                    && active.worker == request.worker_id
-                    && active.started_seq.is_some() =>
-            {
+            Some(active) if active.item.id == request.item_id && active.worker == request.worker_id => {
+                if active.claim_lease_expired(at.at_ns) {
+                    return self.release_expired_claim(&request.agent_id, &active, "heartbeat");
+                }
+                let active = self.queues.get_mut(&request.agent_id).and_then(|q| q.active.as_mut());
+                let active = active.expect("checked above");
+                debug_assert!(active.last_alive_ns <= at.at_ns, "log time is monotonic");
                 active.last_alive_ns = at.at_ns;
                 Verdict::HeartbeatRecorded
             }
-            _ => refused(RefusalKind::FailedPrecondition, "that item is not running for this worker"),
+            _ => refused(RefusalKind::FailedPrecondition, "that item is not claimed or running for this worker"),
         }
     }
 
+    /// A claim whose lease ran out is dead at the request that finds it so: the item goes back
+    /// to the front of the queue (as it was: a claim moved no cursor) for any worker to claim,
+    /// and the request is refused as one that may succeed when redone (claim again).
+    fn release_expired_claim(&mut self, agent: &str, active: &ActiveWake, what: &str) -> Verdict {
+        let queue = self.queues.get_mut(&agent.to_owned()).expect("an active wake has a queue");
+        debug_assert!(queue.active.as_ref().is_some_and(|a| a.item.id == active.item.id && a.started_seq.is_none()));
+        if let Some(released) = queue.active.take() {
+            queue.push_front(released.item);
+        }
+        refused(
+            RefusalKind::Aborted,
+            format!(
+                "the claim's lease of {} s ran out before this {what} (claimed at seq {}); the wake is queued again: claim again",
+                active.claim_lease_ns / 1_000_000_000,
+                active.claimed_seq
+            ),
+        )
+    }
+
     /// Re-queues a running wake whose last sign of life is older than
-    /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies.
+    /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies, or a claimed
+    /// wake never started within its lease, as it was (it moved no cursor).
     pub(crate) fn recover_wake(&mut self, at: LogPosition, request: &proto::WakeRecoveryRequested) -> Verdict {
         let Some(queue) = self.queues.get(&request.agent_id) else {
-            return refused(RefusalKind::FailedPrecondition, "the agent has no running wake");
+            return refused(RefusalKind::FailedPrecondition, "the agent has no claimed or running wake");
         };
-        match &queue.active {
+        let started = match &queue.active {
             Some(active) if active.item.id == request.item_id && active.started_seq.is_some() => {
                 if at.at_ns.saturating_sub(active.last_alive_ns) < HEARTBEAT_SILENCE_NS {
                     return refused(RefusalKind::Aborted, "the wake's heartbeat is recent; not recovered");
                 }
+                true
             }
-            _ => return refused(RefusalKind::FailedPrecondition, "that item is not running"),
-        }
+            Some(active) if active.item.id == request.item_id => {
+                if !active.claim_lease_expired(at.at_ns) {
+                    return refused(RefusalKind::Aborted, "the claim's lease has not run out; not recovered");
+                }
+                false
+            }
+            _ => return refused(RefusalKind::FailedPrecondition, "that item is not claimed or running"),
+        };
         let queue = self.queues.get_mut(&request.agent_id).expect("checked above");
         let mut item = queue.active.take().expect("checked above").item;
-        item.resume_after_restart = true;
+        // Only a started wake may have had side effects to continue after; a claim had none.
+        item.resume_after_restart |= started;
         queue.push_front(item);
-        Verdict::Recovered { item_id: request.item_id.clone() }
+        Verdict::Recovered { item_id: request.item_id.clone(), started }
     }
 
     pub(crate) fn finish_wake(&mut self, at: LogPosition, request: &proto::WakeFinishRequested) -> Verdict {

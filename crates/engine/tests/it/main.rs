@@ -2,5 +2,6 @@
 
 mod conformance;
 mod memory;
+mod recovery;
 mod replay;
 mod runner;
