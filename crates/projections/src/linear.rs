@@ -111,6 +111,7 @@ impl State {
                 receipt: Some(receipt),
                 duplicate_receipt: true,
                 wake: None,
+                not_queued: None,
                 removed: Vec::new(),
             });
         }
@@ -144,13 +145,14 @@ impl State {
             memory: None,
             extras: crate::render::ExtrasSizes::default(),
         };
-        let wake = self.queue_wake(at, &agent, item);
+        let queued = self.queue_wake(at, &agent, item);
         Verdict::LinearSession(LinearSessionVerdict {
             agent,
             session: event.session_id.clone(),
             receipt: Some(receipt),
             duplicate_receipt: false,
-            wake,
+            wake: queued.ok(),
+            not_queued: queued.err(),
             removed: Vec::new(),
         })
     }
@@ -196,6 +198,7 @@ impl State {
             receipt: None,
             duplicate_receipt: false,
             wake: None,
+            not_queued: None,
             removed,
         })
     }
@@ -212,6 +215,12 @@ impl State {
         }
         if request.session_id.is_empty() {
             return refused(RefusalKind::InvalidArgument, "session_id is empty");
+        }
+        if let Some(pass) = self.active_memory_pass(&request.agent_id) {
+            return refused(
+                RefusalKind::FailedPrecondition,
+                format!("a memory pass does not post: {}'s active wake is the memory pass {pass}", request.agent_id),
+            );
         }
         let kind = proto::LinearResponseKind::try_from(request.kind).unwrap_or(proto::LinearResponseKind::Unspecified);
         if kind == proto::LinearResponseKind::Unspecified {

@@ -4,6 +4,9 @@
 //! passes the tail, so a resend with nothing new posts. Because the verdict is the fold's at the
 //! request's position, no send is ever allowed over a foreign message that precedes it in the
 //! log. Any inconsistency fails closed. The draft itself never reaches the log.
+//!
+//! Guards come before the hold: while the agent's active wake is a memory pass, nothing is
+//! posted (the pass is sealed); such a refusal moves no cursor.
 
 use crate::fold::refused;
 use crate::proto;
@@ -17,6 +20,12 @@ impl State {
         let agent = request.agent_id.as_str();
         if !self.agents.contains_key(&request.agent_id) {
             return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        }
+        if let Some(pass) = self.active_memory_pass(agent) {
+            return refused(
+                RefusalKind::FailedPrecondition,
+                format!("a memory pass does not post: {agent}'s active wake is the memory pass {pass}"),
+            );
         }
         let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) else {
             return refused(RefusalKind::InvalidArgument, "target is missing");

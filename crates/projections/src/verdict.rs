@@ -8,7 +8,7 @@ use crate::journal::RowMeta;
 pub use crate::render::PostKind;
 use crate::subscription::Route;
 use crate::surface::SurfaceId;
-use crate::wake::{PlanEntry, WakeItem, WakeReason};
+use crate::wake::{NotQueued, PlanEntry, WakeItem, WakeReason};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Verdict {
@@ -71,8 +71,11 @@ pub struct JournalVerdict {
     /// The wake it queued for the agent, if any.
     pub wake: Option<WakeReason>,
     /// How routing judged it for the agent (`None`: not journaled or unknown agent). A route
-    /// to a wake with `wake: None` was a duplicate item or a full queue.
+    /// to a wake with `wake: None` says in `not_queued` why it was not queued.
     pub route: Option<Route>,
+    /// Why the wake routing earned was not queued: a duplicate item, or a full queue (the agent
+    /// was not woken for it).
+    pub not_queued: Option<NotQueued>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -138,6 +141,8 @@ pub struct LinearSessionVerdict {
     pub duplicate_receipt: bool,
     /// The wake it queued (`None`: duplicate receipt or item, a full queue, or a stop).
     pub wake: Option<WakeReason>,
+    /// Why a receipt's wake was not queued (a duplicate item, or a full queue).
+    pub not_queued: Option<NotQueued>,
     /// For a stop: the queued items of the session it removed.
     pub removed: Vec<String>,
 }

@@ -12,8 +12,9 @@ use crate::subscription::AttentionNote;
 use crate::surface::SurfaceId;
 use crate::table::Table;
 
-/// Queued items per agent. An observation that would queue more is recorded without a wake
-/// (its verdict says so) rather than growing the queue without bound.
+/// Queued items per agent. An observation that would queue more is recorded without a wake, its
+/// verdict saying "not queued: queue full" (counted by analytics), rather than growing the
+/// queue without bound.
 pub const QUEUED_ITEMS_MAX: usize = 10_000;
 /// Settled item ids remembered per agent, for the duplicate check.
 pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
@@ -26,6 +27,24 @@ pub const CLAIM_LEASE_DEFAULT_SECONDS: u32 = 300;
 /// The longest claim lease a request may ask for: a day. A claim that waits longer for its start
 /// is stuck by any measure.
 pub const CLAIM_LEASE_MAX_SECONDS: u32 = 86_400;
+
+/// Why a wake an observation earned was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NotQueued {
+    /// Its item id is queued, active, or settled within the remembered window.
+    Duplicate,
+    /// The agent's queue holds [`QUEUED_ITEMS_MAX`] items: the agent was not woken for it.
+    QueueFull,
+}
+
+impl NotQueued {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotQueued::Duplicate => "duplicate",
+            NotQueued::QueueFull => "queue_full",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WakeReason {
@@ -367,25 +386,30 @@ use crate::state::{LogPosition, State};
 use crate::verdict::{ClaimVerdict, ClaimedWake, RefusalKind, Verdict};
 
 impl State {
-    /// Queues `item` unless its id is active, queued, or settled within the remembered window.
-    /// Returns the reason when it was queued.
-    pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Option<WakeReason> {
+    /// Queues `item` unless its id is active, queued, or settled within the remembered window,
+    /// or the agent's queue is full. Returns the reason when it was queued, else why not.
+    pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Result<WakeReason, NotQueued> {
         let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled.settled_at(agent, &item.id));
         if let Some(settled_at) = settled_at {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
-                return None;
+                return Err(NotQueued::Duplicate);
             }
         }
         let queue = self.queues.entry_or_default(agent.to_owned());
-        if queue.holds(&item.id) || queue.queued.len() >= QUEUED_ITEMS_MAX {
-            return None;
+        if queue.holds(&item.id) {
+            return Err(NotQueued::Duplicate);
+        }
+        if queue.queued.len() >= QUEUED_ITEMS_MAX {
+            return Err(NotQueued::QueueFull);
         }
         let mut item = item;
         let reason = item.reason;
         item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
-        self.queues.entry_or_default(agent.to_owned()).push_back(item);
+        let queue = self.queues.entry_or_default(agent.to_owned());
+        queue.push_back(item);
+        debug_assert!(queue.queued.len() <= QUEUED_ITEMS_MAX, "a queue never grows beyond its bound");
         self.note_memory_history(at, agent);
-        Some(reason)
+        Ok(reason)
     }
 
     /// Records that `item_id` settled, forgetting the agent's oldest settled id beyond the bound.

@@ -138,7 +138,7 @@ fn a_created_session_wakes_the_agent_with_the_session_as_reply_target() {
         &[ada()],
         created(SESSION_A, "Please look at the flaky login test."),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: false, wake: Some(Linear), removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: false, wake: Some(Linear), not_queued: None, removed: [] })
             queued: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 reply_to=linear:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01
         "#]],
     );
@@ -151,7 +151,7 @@ fn a_redelivered_receipt_wakes_once() {
         &[ada(), first.clone()],
         redelivered(first),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, not_queued: None, removed: [] })
             queued: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 reply_to=linear:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01
         "#]],
     );
@@ -170,7 +170,7 @@ fn a_redelivered_receipt_after_the_wake_finished_does_not_wake_again() {
         ],
         redelivered(first),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, not_queued: None, removed: [] })
             queued: none
         "#]],
     );
@@ -313,7 +313,7 @@ fn stop_removes_that_sessions_queued_input_and_leaves_another_session_and_a_runn
         ],
         stop(SESSION_A),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: None, duplicate_receipt: false, wake: None, removed: ["linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", "linear:inst1:prompted:act-2"] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: None, duplicate_receipt: false, wake: None, not_queued: None, removed: ["linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", "linear:inst1:prompted:act-2"] })
             queued: linear:inst1:prompted:act-3 reply_to=linear:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02
             active: linear:inst1:created:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02 (running)
         "#]],
@@ -322,7 +322,7 @@ fn stop_removes_that_sessions_queued_input_and_leaves_another_session_and_a_runn
         &[ada(), created(SESSION_B, "Other session."), claim("ada", "w1"), start("ada", "w1")],
         stop(SESSION_B),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02", receipt: None, duplicate_receipt: false, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02", receipt: None, duplicate_receipt: false, wake: None, not_queued: None, removed: [] })
             queued: none
             active: linear:inst1:created:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02 (running)
         "#]],

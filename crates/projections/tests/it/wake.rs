@@ -972,3 +972,34 @@ fn a_heartbeat_in_time_keeps_a_running_wake() {
         "#]],
     );
 }
+
+#[test]
+fn a_wake_that_meets_a_full_queue_is_recorded_as_not_queued_and_counted() {
+    use anima_projections::redact::{Figures, RedactedOutcome, Redactor};
+    use anima_projections::wake::{NotQueued, QUEUED_ITEMS_MAX};
+    use prost::Message;
+
+    let mut log = TestLog::with(&[anna()]);
+    for minute in 1..=QUEUED_ITEMS_MAX as u64 {
+        log.fold(dm_from_human("anna", "D1", &ts(minute), "ping"));
+    }
+    let one_too_many = log.fold(dm_from_human("anna", "D1", &ts(QUEUED_ITEMS_MAX as u64 + 1), "one too many"));
+    let Verdict::Journaled(journaled) = log.verdict(one_too_many) else { panic!("not journaled") };
+    assert_eq!(
+        (journaled.ordinal, journaled.wake, journaled.not_queued),
+        (QUEUED_ITEMS_MAX as u64 + 1, None, Some(NotQueued::QueueFull)),
+        "journaled, but the agent was not woken, and the verdict says why"
+    );
+    assert_eq!(log.state.queue("anna").map(|q| q.queued().len()), Some(QUEUED_ITEMS_MAX));
+    let index = one_too_many as usize - 1;
+    let mut redacted = Redactor::schema().redact(
+        one_too_many,
+        log.positions[index].at_ns,
+        "anima.v1.test",
+        &log.events[index].encode_to_vec(),
+    );
+    redacted.outcome = Some(RedactedOutcome::of(log.verdict(one_too_many)));
+    let mut figures = Figures::default();
+    figures.observe(&redacted);
+    assert_eq!(figures.wakes_not_queued_queue_full, 1, "analytics counts it");
+}
