@@ -18,11 +18,12 @@ pub enum Verdict {
     AgentRegistered,
     Send(SendVerdict),
     Claim(ClaimVerdict),
-    /// The start was accepted; `coalesced` are other queued items its cursors now cover, settled
-    /// without a turn.
+    /// The start was accepted; `moved` are the plan's cursor moves (the facts the explanation
+    /// renders), `coalesced` other queued items its cursors now cover, settled without a turn.
     Started {
         item_id: String,
         coalesced: Vec<String>,
+        moved: Vec<MovedCursor>,
     },
     HeartbeatRecorded,
     /// A silent running wake was re-queued to resume, or a claim never started within its lease
@@ -56,6 +57,16 @@ pub enum Verdict {
     /// The request was refused. Nothing changed, except that a start refused as stale returns
     /// its item to the front of the queue, so the next claim prepares a fresh plan.
     Refused(Refusal),
+}
+
+/// One cursor a decision moved (or left where it was), on one surface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedCursor {
+    pub surface: SurfaceId,
+    pub before: Option<u64>,
+    pub after: u64,
+    /// The surface's tail at the decision.
+    pub tail: u64,
 }
 
 /// What happened to one observation for its receiving agent.

@@ -383,7 +383,7 @@ use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
-use crate::verdict::{ClaimVerdict, ClaimedWake, RefusalKind, Verdict};
+use crate::verdict::{ClaimVerdict, ClaimedWake, MovedCursor, RefusalKind, Verdict};
 
 impl State {
     /// Queues `item` unless its id is active, queued, or settled within the remembered window,
@@ -642,10 +642,19 @@ impl State {
             }
         }
         let agent_key = self.agent_keys.intern(&agent);
+        let mut moved = Vec::with_capacity(plan.len());
         for entry in &plan {
             let key = (agent_key, self.surfaces.intern(&entry.surface));
             let advanced = self.advance_cursor(key, entry.target);
             debug_assert!(advanced.is_ok(), "checked above: {advanced:?}");
+            if let Ok(advance) = advanced {
+                moved.push(MovedCursor {
+                    surface: entry.surface.clone(),
+                    before: advance.before,
+                    after: advance.after,
+                    tail: advance.tail,
+                });
+            }
         }
         if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
             active.started_seq = Some(at.seq);
@@ -655,7 +664,7 @@ impl State {
             self.note_memory_pass_started(at, &active.item.id);
         }
         let coalesced = self.coalesce(at, &agent, &plan);
-        Verdict::Started { item_id: request.item_id.clone(), coalesced }
+        Verdict::Started { item_id: request.item_id.clone(), coalesced, moved }
     }
 
     /// Settles queued items whose trigger rows the start's cursors now cover (derived settles),

@@ -1,6 +1,7 @@
 //! The engine's one integration-test binary (STYLE 10): each area is a module.
 
 mod conformance;
+mod explain;
 mod memory;
 mod recovery;
 mod replay;

@@ -237,8 +237,8 @@ fn describe(verdict: &Verdict) -> String {
         Verdict::MemoryPassQueued { pass_id, .. } => format!("queued {pass_id}"),
         Verdict::Claim(ClaimVerdict::Claimed(claimed)) => format!("claimed {}", claimed.item.id),
         Verdict::Claim(ClaimVerdict::Nothing { .. }) => "nothing to claim".to_owned(),
-        Verdict::Started { item_id, coalesced } if coalesced.is_empty() => format!("started {item_id}"),
-        Verdict::Started { item_id, coalesced } => {
+        Verdict::Started { item_id, coalesced, .. } if coalesced.is_empty() => format!("started {item_id}"),
+        Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}", coalesced.join(", "))
         }
         Verdict::Finished { item_id, requeued, memory_outcome } => format!(

@@ -52,8 +52,8 @@ fn describe_verdict(log: &TestLog, agent: &str, seq: u64) -> String {
             format!("nothing to claim; settled without a turn: {}\n", list(settled_without_turn))
         }
         Verdict::Claim(ClaimVerdict::Claimed(claimed)) => describe_claim(log, agent, claimed),
-        Verdict::Started { item_id, coalesced } if coalesced.is_empty() => format!("started {item_id}\n"),
-        Verdict::Started { item_id, coalesced } => {
+        Verdict::Started { item_id, coalesced, .. } if coalesced.is_empty() => format!("started {item_id}\n"),
+        Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}\n", list(coalesced))
         }
         Verdict::Finished { item_id, requeued, memory_outcome } => {
