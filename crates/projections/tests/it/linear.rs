@@ -292,7 +292,7 @@ fn a_linear_wake_starts_with_the_empty_plan_and_finishes() {
         &[ada(), created(SESSION_A, "First prompt."), claim("ada", "w1")],
         start("ada", "w1"),
         expect![[r#"
-            Started { item_id: "linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", coalesced: [] }
+            Started { item_id: "linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", coalesced: [], moved: [] }
             queued: none
             active: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 (running)
         "#]],

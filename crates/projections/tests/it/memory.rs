@@ -1254,7 +1254,7 @@ fn a_running_memory_pass_is_sealed_no_send_and_no_linear_response() {
     let out = format!("send: {}\nrespond: {}\n", fleet.describe(sealed_send), fleet.describe(respond));
     expect![[r#"
         send: refused FailedPrecondition: a memory pass does not post: zed's active wake is the memory pass memory-pass:zed:2026-06-01
-        respond: refused FailedPrecondition: a memory pass does not post: "zed"'s active wake is the memory pass memory-pass:zed:2026-06-01
+        respond: refused FailedPrecondition: a memory pass does not post: zed's active wake is the memory pass memory-pass:zed:2026-06-01
     "#]]
     .assert_eq(&out);
     assert_eq!(fleet.log.cursors("zed"), cursors_before, "a sealed send moves no cursor");
