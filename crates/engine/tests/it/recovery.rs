@@ -1,7 +1,8 @@
-//! The claim lease and the recovery loop (DESIGN §4.5) in one engine instance on the embedded
-//! log, with a manual clock that stamps the log and drives the loop's "now": a claim never
-//! started within its lease is re-queued for any worker and its late start refused; a running
-//! wake silent for 30 minutes is re-queued to resume; a heartbeat in time keeps either.
+//! The claim lease and the recovery loop (DESIGN §4.5), and the Linear response guard (§4.8), in
+//! one engine instance on the embedded log, with a manual clock that stamps the log and drives
+//! the loop's "now": a claim never started within its lease is re-queued for any worker and its
+//! late start refused; a running wake silent for 30 minutes is re-queued to resume; a heartbeat
+//! in time keeps either; a response to a session the agent never received is refused.
 //!
 //! The loop runs for real. Tests that must not race it give it a period longer than the test
 //! (it ticks once at start, when nothing is due); the others give it a short one and wait for its
@@ -33,12 +34,18 @@ struct Fixture {
 /// An instance whose recovery loop ticks every `recovery_interval` (real time), with agent ada
 /// registered and a DM from a person queued for her.
 async fn fixture(recovery_interval: Duration) -> Fixture {
+    fixture_with_lease(recovery_interval, Duration::from_secs(300)).await
+}
+
+/// The same, with the engine's claim lease set to `claim_lease`.
+async fn fixture_with_lease(recovery_interval: Duration, claim_lease: Duration) -> Fixture {
     let dir = tempfile::tempdir().expect("tempdir");
     let clock = Arc::new(ManualClock::new(START_NS));
     let embedded = EmbeddedConfig { clock: clock.clone(), ..EmbeddedConfig::default() };
     let mut config = InstanceConfig::new(dir.path(), Backend::Embedded(embedded));
     config.clock = clock.clone();
     config.recovery_interval = recovery_interval;
+    config.engine.claim_lease = claim_lease;
     let instance = Instance::start(config).await.expect("instance");
     let engine = &instance.engine;
     engine
@@ -211,5 +218,33 @@ async fn a_heartbeat_in_time_keeps_a_running_wake() {
     // 31 minutes after the heartbeat: recovered.
     fixture.clock.advance(MINUTE * 16);
     assert_eq!(fixture.engine().recover_silent_wakes(fixture.clock.now_ns()).await.expect("recovery tick"), 1);
+    fixture.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_configuration_sets_the_lease_its_claims_carry() {
+    let fixture = fixture_with_lease(Duration::from_secs(3600), Duration::from_secs(30)).await;
+    let claimed = fixture.claim("w1").await.expect("a wake to claim");
+    fixture.clock.advance(Duration::from_secs(31));
+    let error = fixture.start("w1", &claimed).await.expect_err("31 s after a claim with a 30 s lease");
+    assert_eq!(error.refusal_kind(), Some(RefusalKind::Aborted), "{error}");
+    assert!(error.to_string().contains("lease of 30 s"), "{error}");
+    fixture.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_to_a_linear_session_the_agent_never_received_is_refused_naming_it() {
+    let fixture = fixture(Duration::from_secs(3600)).await;
+    let session = "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01";
+    let request = proto::LinearResponseRequested {
+        agent_id: "ada".into(),
+        session_id: session.into(),
+        kind: proto::LinearResponseKind::Response as i32,
+        body: "posting into a session I was never given".into(),
+        input_ids: Vec::new(),
+    };
+    let error = fixture.engine().respond_linear(request, "").await.expect_err("an unreceived session");
+    assert_eq!(error.refusal_kind(), Some(RefusalKind::FailedPrecondition), "{error}");
+    assert!(error.to_string().contains(session), "the refusal names the session: {error}");
     fixture.stop().await;
 }
