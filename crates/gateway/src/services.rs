@@ -290,6 +290,8 @@ impl api::wakes_server::Wakes for Services {
             worker_id: request.worker_id,
             item_id: request.item_id,
             memory_md_bytes: request.memory_md_bytes,
+            // The engine sets the lease from its configuration.
+            claim_lease_seconds: 0,
         };
         let outcome = self.engine.claim(claim, &request.request_id).await.map_err(status)?;
         self.metrics.wake_claimed(&outcome);

@@ -3,6 +3,8 @@
 mod bad_input;
 mod cluster;
 mod conformance;
+mod explain;
 mod memory;
+mod recovery;
 mod replay;
 mod runner;
