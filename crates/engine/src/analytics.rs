@@ -267,6 +267,7 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
         memory_outcomes,
         memory_delay_seconds_sum,
         memory_delay_count,
+        wakes_not_queued_queue_full,
     } = from;
     into.events += events;
     into.event_bytes += event_bytes;
@@ -285,6 +286,7 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
     merge_maps(&mut into.memory_outcomes, memory_outcomes);
     into.memory_delay_seconds_sum += memory_delay_seconds_sum;
     into.memory_delay_count += memory_delay_count;
+    into.wakes_not_queued_queue_full += wakes_not_queued_queue_full;
 }
 
 /// How long a Counts call waits for the fold to count the newest event of its range before it
