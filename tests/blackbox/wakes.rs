@@ -195,3 +195,57 @@ async fn link_previews_are_shown_with_the_trigger_and_bounded_at_ingest() {
     );
     assert_eq!(wake.text.matches("=== latest wake ===\n").count(), 1, "{}", wake.text);
 }
+
+/// A worker that dies between Claim and Start does not leave its agent stuck: with
+/// `[wakes] claim_lease_seconds = 1`, the recovery loop re-queues the claim once the lease
+/// passed (judged by the log's time), another worker claims it, and the dead worker's late Start
+/// is refused as ABORTED.
+async fn an_unstarted_claim_expires(backend: Backend) {
+    let options = ServerOptions {
+        config_prefix: "[wakes]\nclaim_lease_seconds = 1\nrecovery_tick_seconds = 1\n".into(),
+        ..ServerOptions::default()
+    };
+    let server = Server::start_on(backend, options);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+    ingest
+        .append(slack_message(&["ada"], "D1", "1700000001.000100", "", "U1", "are you there?"))
+        .await
+        .expect("append");
+    let claim =
+        |worker: &str| api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() };
+    let stale = wakes.claim(claim("crashed-worker")).await.expect("claim").into_inner().wake.expect("a wake");
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let fresh = loop {
+        match wakes.claim(claim("w2")).await {
+            Ok(response) => break response.into_inner().wake.expect("the re-queued wake"),
+            Err(status) if status.code() == Code::Aborted && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(status) => panic!("the claim never expired: {status:?}"),
+        }
+    };
+    assert_eq!(fresh.item_id, stale.item_id, "the same wake, claimed again");
+    let late = wakes
+        .start(api::StartRequest {
+            agent_id: "ada".into(),
+            worker_id: "crashed-worker".into(),
+            item_id: stale.item_id.clone(),
+            plan: stale.plan.clone(),
+            request_id: String::new(),
+        })
+        .await
+        .expect_err("a start after the lease");
+    assert_eq!(late.code(), Code::Aborted, "{late:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstarted_claim_expires_on_the_embedded_log() {
+    an_unstarted_claim_expires(Backend::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unstarted_claim_expires_on_jetstream() {
+    an_unstarted_claim_expires(Backend::JetStream).await;
+}

@@ -37,6 +37,8 @@ pub struct Config {
     pub agents: Vec<AgentConfig>,
     #[serde(default)]
     pub runner: RunnerSettings,
+    #[serde(default)]
+    pub wakes: WakeSettings,
     /// The memory pass (DESIGN §4.10). Appended to the log at start-up when it differs.
     #[serde(default, rename = "memoryCoherence")]
     pub memory_coherence: MemoryCoherenceSettings,
@@ -175,6 +177,13 @@ pub struct RunnerSettings {
     /// How long a request waits for the fold's verdict before `UNAVAILABLE`.
     #[serde(default = "default_verdict_wait_ms")]
     pub verdict_wait_ms: u64,
+    /// sled's page cache for the data dir, MiB (sled's own default, 1 GiB, is never used).
+    #[serde(default = "default_sled_cache_mib")]
+    pub sled_cache_mib: u64,
+    /// Bodies of recent journal rows kept in memory for rendering, MiB; older ones are read from
+    /// the log.
+    #[serde(default = "default_body_cache_mib")]
+    pub body_cache_mib: u64,
 }
 
 impl Default for RunnerSettings {
@@ -183,8 +192,50 @@ impl Default for RunnerSettings {
             checkpoint_every_events: default_checkpoint_every_events(),
             checkpoint_interval_ms: default_checkpoint_interval_ms(),
             verdict_wait_ms: default_verdict_wait_ms(),
+            sled_cache_mib: default_sled_cache_mib(),
+            body_cache_mib: default_body_cache_mib(),
         }
     }
+}
+
+/// `[wakes]`: liveness of claimed and running wakes.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WakeSettings {
+    /// A claim not started within this long (log time) is re-queued by the recovery loop, so a
+    /// worker that died between Claim and Start does not leave its agent stuck.
+    #[serde(default = "default_claim_lease_seconds")]
+    pub claim_lease_seconds: u64,
+    /// How often the recovery loop looks for expired claims and silent running wakes.
+    #[serde(default = "default_recovery_tick_seconds")]
+    pub recovery_tick_seconds: u64,
+}
+
+impl Default for WakeSettings {
+    fn default() -> Self {
+        WakeSettings {
+            claim_lease_seconds: default_claim_lease_seconds(),
+            recovery_tick_seconds: default_recovery_tick_seconds(),
+        }
+    }
+}
+
+/// Bounds of `[wakes]` and `[runner]` values, checked at start-up.
+pub const CLAIM_LEASE_SECONDS_MAX: u64 = 86_400;
+pub const RECOVERY_TICK_SECONDS_MAX: u64 = 3_600;
+pub const CACHE_MIB_MAX: u64 = 64 * 1024;
+
+fn default_claim_lease_seconds() -> u64 {
+    u64::from(anima_projections::wake::CLAIM_LEASE_DEFAULT_SECONDS)
+}
+fn default_recovery_tick_seconds() -> u64 {
+    30
+}
+fn default_sled_cache_mib() -> u64 {
+    anima_engine::data_dir::SLED_CACHE_BYTES_DEFAULT / (1024 * 1024)
+}
+fn default_body_cache_mib() -> u64 {
+    64
 }
 
 fn default_listen() -> SocketAddr {
@@ -224,6 +275,17 @@ impl Config {
 
     /// Checks what the file cannot express by its types. Errors name the key.
     pub fn validate(&self) -> anyhow::Result<()> {
+        let bounded = [
+            ("wakes.claim_lease_seconds", self.wakes.claim_lease_seconds, 1, CLAIM_LEASE_SECONDS_MAX),
+            ("wakes.recovery_tick_seconds", self.wakes.recovery_tick_seconds, 1, RECOVERY_TICK_SECONDS_MAX),
+            ("runner.sled_cache_mib", self.runner.sled_cache_mib, 1, CACHE_MIB_MAX),
+            ("runner.body_cache_mib", self.runner.body_cache_mib, 1, CACHE_MIB_MAX),
+        ];
+        for (key, value, min, max) in bounded {
+            if !(min..=max).contains(&value) {
+                bail!("{key}: expected {min}..={max}, got {value}");
+            }
+        }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {
                 bail!("tls_key: missing; tls_cert is set, and TLS needs both (or neither, for plain text)")

@@ -269,10 +269,16 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     instance_config.runner = RunnerConfig {
         checkpoint_every_events: config.runner.checkpoint_every_events,
         checkpoint_interval: config.checkpoint_interval(),
+        body_cache_bytes_max: usize::try_from(config.runner.body_cache_mib * 1024 * 1024).unwrap_or(usize::MAX),
         ..RunnerConfig::default()
     };
-    instance_config.engine =
-        EngineConfig { verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms), ..EngineConfig::default() };
+    instance_config.sled_cache_bytes = config.runner.sled_cache_mib * 1024 * 1024;
+    instance_config.recovery_interval = Duration::from_secs(config.wakes.recovery_tick_seconds);
+    instance_config.engine = EngineConfig {
+        verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms),
+        claim_lease: Duration::from_secs(config.wakes.claim_lease_seconds),
+        ..EngineConfig::default()
+    };
     let metrics = Arc::new(Metrics::new());
     instance_config.append_observer = Some(metrics.clone());
     instance_config.memory = Some(config.memory_coherence.to_config()?);

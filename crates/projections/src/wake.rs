@@ -591,7 +591,9 @@ impl State {
             return refused(RefusalKind::FailedPrecondition, "no wake of this agent is claimed");
         };
         if active.item.id != request.item_id || active.worker != request.worker_id {
-            return refused(RefusalKind::FailedPrecondition, "that item is not claimed by this worker");
+            // A lost claim (its lease expired and another worker took the item) looks the same
+            // from here as a claim never made; either way claiming again is the way forward.
+            return refused(RefusalKind::Aborted, "that item is not claimed by this worker (claim again)");
         }
         if active.started_seq.is_some() {
             return refused(RefusalKind::FailedPrecondition, "that wake already started");

@@ -582,7 +582,7 @@ fn a_start_by_another_worker_is_refused() {
         &given,
         start("anna", "w2"),
         expect![[r#"
-            refused FailedPrecondition: that item is not claimed by this worker
+            refused Aborted: that item is not claimed by this worker (claim again)
             --- after ---
             queued: -
             active: slack:T1:D1:1700000060.000100 claimed by w1
