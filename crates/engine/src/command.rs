@@ -787,8 +787,8 @@ impl Engine {
     /// Asks the fold to re-queue running wakes whose last sign of life (log time) is older than
     /// the silence bound, and claimed wakes never started within their lease, by this
     /// instance's clock; the fold re-checks with the log's time. The request id is derived from
-    /// the wake's last sign of life, so instances asking at once append one request. Returns how
-    /// many were recovered.
+    /// the wake's last sign of life and the minute of asking, so instances asking at once append
+    /// one request. Returns how many were recovered.
     pub async fn recover_silent_wakes(&self, now_ns: i64) -> Result<usize, CommandError> {
         let candidates: Vec<(String, String, i64, bool)> = {
             let state = self.projection.state();
@@ -809,7 +809,11 @@ impl Engine {
         };
         let mut recovered = 0;
         for (agent, item, last_alive_ns, started) in candidates {
-            let key = format!("recover\0{agent}\0{item}\0{last_alive_ns}\0{started}");
+            // Instances asking in the same minute share the id (one request in the log); a request
+            // the fold refused (this clock ahead of the log's) is asked again next minute under a
+            // new id, not answered by the log's dedupe with the old refusal for its whole window.
+            let minute = now_ns.div_euclid(60 * 1_000_000_000);
+            let key = format!("recover\0{agent}\0{item}\0{last_alive_ns}\0{started}\0{minute}");
             let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
             let request = proto::WakeRecoveryRequested { agent_id: agent.clone(), item_id: item.clone() };
             let envelope = self.envelope(event_id, 0, Payload::WakeRecovery(request));

@@ -6,8 +6,8 @@
 //!   surface or event type, optionally with the verdict the fold recorded for each;
 //! * [`Replayer::rebuild`]: the state as of a sequence or a log time, folded from the start or
 //!   from a snapshot kept from an earlier rebuild at or before that point;
-//! * [`Replayer::explain`]: the facts a decision was made from — the state at `seq − 1` — and
-//!   the verdict the fold records when it applies `seq`;
+//! * [`Replayer::explain`]: the verdict the fold records when it applies `seq` to the state at
+//!   `seq − 1`, and the facts that verdict carries, rendered (never decided a second time);
 //! * [`Replayer::counts`]: content-free counts and derived figures of a range, from redacted
 //!   events and their verdicts;
 //! * [`tap`]: redacted events from a sequence, then live.

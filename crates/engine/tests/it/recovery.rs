@@ -39,9 +39,19 @@ async fn fixture(recovery_interval: Duration) -> Fixture {
 
 /// The same, with the engine's claim lease set to `claim_lease`.
 async fn fixture_with_lease(recovery_interval: Duration, claim_lease: Duration) -> Fixture {
-    let dir = tempfile::tempdir().expect("tempdir");
     let clock = Arc::new(ManualClock::new(START_NS));
-    let embedded = EmbeddedConfig { clock: clock.clone(), ..EmbeddedConfig::default() };
+    fixture_with_clocks(recovery_interval, claim_lease, clock.clone(), clock).await
+}
+
+/// The same, with one clock stamping the log and another for the instance's "now".
+async fn fixture_with_clocks(
+    recovery_interval: Duration,
+    claim_lease: Duration,
+    log_clock: Arc<ManualClock>,
+    clock: Arc<ManualClock>,
+) -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let embedded = EmbeddedConfig { clock: log_clock, ..EmbeddedConfig::default() };
     let mut config = InstanceConfig::new(dir.path(), Backend::Embedded(embedded));
     config.clock = clock.clone();
     config.recovery_interval = recovery_interval;
@@ -246,5 +256,27 @@ async fn a_response_to_a_linear_session_the_agent_never_received_is_refused_nami
     let error = fixture.engine().respond_linear(request, "").await.expect_err("an unreceived session");
     assert_eq!(error.refusal_kind(), Some(RefusalKind::FailedPrecondition), "{error}");
     assert!(error.to_string().contains(session), "the refusal names the session: {error}");
+    fixture.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_refused_because_this_clock_runs_ahead_of_the_log_is_asked_again_later() {
+    let log_clock = Arc::new(ManualClock::new(START_NS));
+    let instance_clock = Arc::new(ManualClock::new(START_NS));
+    let fixture =
+        fixture_with_clocks(Duration::from_secs(3600), Duration::from_secs(300), log_clock.clone(), instance_clock)
+            .await;
+    let claimed = fixture.claim("crashed-worker").await.expect("a wake to claim");
+    // The instance's clock is 6 minutes ahead of the log's: it asks, and the fold, judging by the
+    // log's time, refuses.
+    fixture.clock.advance(MINUTE * 6);
+    assert_eq!(fixture.engine().recover_silent_wakes(fixture.clock.now_ns()).await.expect("tick"), 0);
+    assert_eq!(fixture.active().map(|a| a.0), Some(claimed.item.id.clone()));
+    // Once the log's time has passed the lease too, the next tick's request is a new one (not the
+    // earlier refusal again, from the log's dedupe window) and the claim is re-queued.
+    log_clock.advance(MINUTE * 6);
+    fixture.clock.advance(MINUTE);
+    assert_eq!(fixture.engine().recover_silent_wakes(fixture.clock.now_ns()).await.expect("tick"), 1);
+    assert_eq!(fixture.queued(), vec![(claimed.item.id.clone(), false)]);
     fixture.stop().await;
 }
