@@ -4,3 +4,4 @@ mod conformance;
 mod memory;
 mod replay;
 mod runner;
+mod simulation;
