@@ -246,42 +246,43 @@ fn step(rng: &mut Rng, nodes: usize) -> Step {
         }
     };
     match rng.below(100) {
-        0..=9 => Step::Slack { channel: None, dm_of: agent, thread: None, author: author(rng), mention: None },
-        10..=21 => Step::Slack {
+        0..=11 => Step::Slack { channel: None, dm_of: agent, thread: None, author: author(rng), mention: None },
+        12..=23 => Step::Slack {
             channel: Some(rng.index(CHANNELS.len())),
             dm_of: agent,
             thread: rng.percent(50).then(|| rng.index(3)),
             author: author(rng),
             mention: rng.percent(30).then(|| rng.index(AGENTS.len())),
         },
-        22..=23 => Step::Redeliver { back: rng.index(4) },
-        24..=29 => Step::Chat {
+        24..=25 => Step::Redeliver { back: rng.index(4) },
+        26..=30 => Step::Chat {
             p2p_of: rng.percent(40).then_some(agent),
             author: author(rng),
             mention: rng.percent(30).then(|| rng.index(AGENTS.len())),
         },
-        30..=31 => Step::LinearCreated { agent },
-        32..=43 => Step::Claim { agent, node },
-        44..=53 => Step::Start { agent, node },
-        54..=61 => Step::Finish { agent, node, outcome: rng.below(4) as u8 },
-        62..=65 => Step::Heartbeat { agent, node },
-        66..=75 => {
-            Step::Send { agent, node, anywhere: rng.percent(30).then(|| rng.index(16)), confirm: rng.percent(60) }
+        31..=32 => Step::LinearCreated { agent },
+        33..=46 => Step::Claim { agent, node },
+        47..=58 => Step::Start { agent, node },
+        59..=65 => Step::Finish { agent, node, outcome: rng.below(4) as u8 },
+        66..=68 => Step::Heartbeat { agent, node },
+        69..=80 => {
+            Step::Send { agent, node, anywhere: rng.percent(35).then(|| rng.index(64)), confirm: rng.percent(60) }
         }
-        76..=77 => Step::Mute { agent, node, surface: rng.index(16), mute: rng.percent(70) },
-        78 => Step::WorkerDies { agent },
-        79..=86 => Step::Advance {
+        81..=82 => Step::Mute { agent, node, surface: rng.index(64), mute: rng.percent(70) },
+        83 => Step::WorkerDies { agent },
+        84..=90 => Step::Advance {
             minutes: match rng.below(10) {
                 0..=5 => 1 + rng.below(20) as i64,
                 6..=8 => 30 + rng.below(600) as i64,
                 _ => 24 * 60 + rng.below(3 * 24 * 60) as i64,
             },
         },
-        87..=89 => Step::Recover { node },
-        90..=92 => Step::MemoryTick { node },
-        93..=95 => Step::CrashNode { node },
-        96..=97 => Step::CrashAll,
-        _ => Step::CrashDuringSend { agent },
+        91..=92 => Step::Recover { node },
+        93..=94 => Step::MemoryTick { node },
+        95..=96 => Step::CrashNode { node },
+        97 => Step::CrashAll,
+        98 => Step::CrashDuringSend { agent },
+        _ => Step::Recover { node },
     }
 }
 
@@ -328,6 +329,9 @@ struct Sim {
     deliveries: Vec<SlackDelivery>,
     /// Surfaces the runtime may post to or mute, as they appeared.
     surfaces: Vec<SurfaceId>,
+    /// Per agent: the surfaces of the wakes it was given (plans and reply targets), where it
+    /// has cursors; most of its sends "anywhere" go there.
+    known: BTreeMap<usize, Vec<SurfaceId>>,
     /// Every send decision the client got: seq → verdict.
     sends: BTreeMap<u64, SendVerdict>,
     model: Model,
@@ -374,6 +378,7 @@ impl Sim {
             roots: BTreeMap::new(),
             deliveries: Vec::new(),
             surfaces: Vec::new(),
+            known: BTreeMap::new(),
             sends: BTreeMap::new(),
             model: Model::default(),
             heartbeats_appended: BTreeMap::new(),
@@ -617,11 +622,19 @@ impl Sim {
                 };
                 self.engine(0).ingest_linear(observation).await.map_err(|e| engine_error("linear ingest", e))?;
             }
-            Step::Claim { agent, node } => self.claim(*agent, *node).await?,
-            Step::Start { agent, node } => self.start(*agent, *node).await?,
-            Step::Finish { agent, node, outcome } => self.finish(*agent, *node, *outcome).await?,
-            Step::Heartbeat { agent, node } => self.heartbeat(*agent, *node).await?,
-            Step::Send { agent, node, anywhere, confirm } => self.send(*agent, *node, *anywhere, *confirm).await?,
+            Step::Claim { agent, node } => self.claim(self.pick(*agent, |h| h.is_none()), *node).await?,
+            Step::Start { agent, node } => {
+                self.start(self.pick(*agent, |h| h.is_some_and(|h| !h.started)), *node).await?
+            }
+            Step::Finish { agent, node, outcome } => {
+                self.finish(self.pick(*agent, |h| h.is_some_and(|h| h.started)), *node, *outcome).await?
+            }
+            Step::Heartbeat { agent, node } => self.heartbeat(self.pick(*agent, |h| h.is_some()), *node).await?,
+            Step::Send { agent, node, anywhere, confirm } => {
+                let agent =
+                    if anywhere.is_none() { self.pick(*agent, |h| h.is_some_and(|h| h.started)) } else { *agent };
+                self.send(agent, *node, *anywhere, *confirm).await?
+            }
             Step::Mute { agent, node, surface, mute } => {
                 let surface = self.surfaces[surface % self.surfaces.len()].clone();
                 let direct = matches!(&surface, SurfaceId::Slack { channel, .. } if channel.starts_with('D'))
@@ -653,17 +666,25 @@ impl Sim {
                     .map_err(|e| engine_error("memory tick", e))?;
             }
             Step::CrashNode { node } => {
+                self.model.exercised.crashes += 1;
                 self.kill_node(*node).await;
                 self.heartbeats_appended.retain(|(n, _, _), _| n != node);
                 self.start_node(*node).await?;
             }
             Step::CrashAll => {
+                self.model.exercised.crashes += 1;
                 self.kill_process().await;
                 self.start_process().await?;
             }
             Step::CrashDuringSend { agent } => self.crash_during_send(*agent).await?,
         }
         Ok(())
+    }
+
+    /// The first agent from `agent` on (in a fixed rotation) whose runtime state suits the step,
+    /// else `agent`: steps of the wake workflow go where they can do something.
+    fn pick(&self, agent: usize, suits: impl Fn(Option<&Held>) -> bool) -> usize {
+        (0..AGENTS.len()).map(|k| (agent + k) % AGENTS.len()).find(|a| suits(self.held.get(a))).unwrap_or(agent)
     }
 
     async fn claim(&mut self, agent: usize, node: usize) -> SimResult<()> {
@@ -681,6 +702,12 @@ impl Sim {
                     // Granted while the runtime held one: recovery re-queued that one (the model
                     // checks that it did so rightly); the runtime's old claim is gone.
                     let claimed = wake.claimed;
+                    let known = self.known.entry(agent).or_default();
+                    for surface in claimed.plan.iter().map(|p| &p.surface).chain([&claimed.item.reply_to]) {
+                        if !known.contains(surface) && known.len() < 16 {
+                            known.push(surface.clone());
+                        }
+                    }
                     let plan = claimed
                         .plan
                         .iter()
@@ -796,7 +823,16 @@ impl Sim {
 
     fn send_target(&self, agent: usize, anywhere: Option<usize>) -> Option<SurfaceId> {
         let held = self.held.get(&agent);
+        let known = self.known.get(&agent).filter(|k| !k.is_empty());
         let surface = match (anywhere, held) {
+            // Before its start: a post on a plan surface makes the plan stale.
+            (Some(n), Some(held)) if !held.started && n % 2 == 0 && !held.plan.is_empty() => {
+                SurfaceId::parse(&held.plan[n % held.plan.len()].surface)?
+            }
+            (Some(n), _) if n % 3 != 0 && known.is_some() => {
+                let known = known.expect("checked");
+                known[n % known.len()].clone()
+            }
             (Some(n), _) => self.surfaces[n % self.surfaces.len()].clone(),
             (None, Some(held)) if held.started => held.reply_to.clone(),
             _ => return None,
@@ -870,6 +906,7 @@ impl Sim {
 
     async fn crash_during_send(&mut self, agent: usize) -> SimResult<()> {
         let Some(surface) = self.send_target(agent, Some(agent)) else { return Ok(()) };
+        self.model.exercised.crashes += 1;
         self.counter += 1;
         let request_id =
             uuid::Uuid::from_u128(0xBBBB_0000_0000_4000_8000_0000_0000_0000 | u128::from(self.counter)).to_string();
@@ -1031,8 +1068,46 @@ struct ModelQueue {
     active: Option<ModelActive>,
 }
 
+/// What the checked events exercised, summed over seeds: a run that never holds a send or never
+/// starts a wake checks little, so the summary line says what was covered.
+#[derive(Clone, Debug, Default)]
+struct Exercised {
+    events: u64,
+    sends_allowed_with_cursor: u64,
+    sends_allowed_without_cursor: u64,
+    sends_held: u64,
+    starts: u64,
+    stale_starts: u64,
+    coalesced: u64,
+    settled_at_claim: u64,
+    finishes: u64,
+    requeued: u64,
+    recovered: u64,
+    passes_queued: u64,
+    crashes: u64,
+}
+
+impl Exercised {
+    fn add(&mut self, other: &Exercised) {
+        self.events += other.events;
+        self.sends_allowed_with_cursor += other.sends_allowed_with_cursor;
+        self.sends_allowed_without_cursor += other.sends_allowed_without_cursor;
+        self.sends_held += other.sends_held;
+        self.starts += other.starts;
+        self.stale_starts += other.stale_starts;
+        self.coalesced += other.coalesced;
+        self.settled_at_claim += other.settled_at_claim;
+        self.finishes += other.finishes;
+        self.requeued += other.requeued;
+        self.recovered += other.recovered;
+        self.passes_queued += other.passes_queued;
+        self.crashes += other.crashes;
+    }
+}
+
 #[derive(Default)]
 struct Model {
+    exercised: Exercised,
     checked_seq: u64,
     max_concurrent: usize,
     journals: BTreeMap<SurfaceId, Vec<ModelRow>>,
@@ -1137,6 +1212,7 @@ impl Model {
         sends: &BTreeMap<u64, SendVerdict>,
     ) -> SimResult<()> {
         let Some(payload) = &envelope.payload else { return Ok(()) };
+        self.exercised.events += 1;
         let refused = matches!(verdict, Some(Verdict::Refused(_)));
         match payload {
             Payload::SlackMessage(m) => {
@@ -1221,6 +1297,7 @@ impl Model {
                     item.resume = true;
                     queue.queued.push_front(item);
                     self.recovered_now.push((request.agent_id.clone(), item_id.clone()));
+                    self.exercised.recovered += 1;
                 }
             }
             Payload::WakeFinish(request) => {
@@ -1230,6 +1307,8 @@ impl Model {
                 let Some(Verdict::Finished { item_id, requeued, .. }) = verdict else {
                     return Err(format!("seq {seq}: a finish got {verdict:?}"));
                 };
+                self.exercised.finishes += 1;
+                self.exercised.requeued += u64::from(*requeued);
                 let queue = self.queue(&request.agent_id);
                 let Some(active) = queue.active.take().filter(|a| &a.id == item_id && a.worker == request.worker_id)
                 else {
@@ -1255,6 +1334,20 @@ impl Model {
                     if !self.passes.insert((agent.clone(), window_day.clone())) {
                         return Err(format!("seq {seq}: a second pass for {agent} on {window_day}"));
                     }
+                    // One zone (UTC) and a window 05:00 + 120 minutes: the slot lies inside that
+                    // window of its window-day, and the pass is due by log time.
+                    let slot = jiff::Timestamp::from_millisecond(request.slot_at_ms)
+                        .map_err(|e| format!("seq {seq}: slot_at_ms: {e}"))?
+                        .in_tz("UTC")
+                        .map_err(|e| format!("UTC: {e}"))?;
+                    let minutes = i64::from(slot.hour()) * 60 + i64::from(slot.minute());
+                    if slot.date().to_string() != *window_day || !(5 * 60..7 * 60).contains(&minutes) {
+                        return Err(format!("seq {seq}: pass {pass_id} for window-day {window_day} at slot {slot}"));
+                    }
+                    if request.slot_at_ms * 1_000_000 > at_ns {
+                        return Err(format!("seq {seq}: pass {pass_id} queued before its slot {slot}"));
+                    }
+                    self.exercised.passes_queued += 1;
                     if agent != &request.agent_id {
                         return Err(format!("seq {seq}: a pass requested for {} queued for {agent}", request.agent_id));
                     }
@@ -1324,7 +1417,9 @@ impl Model {
         let tail = self.tail(&surface);
         let cursor = self.cursors.get(&key).copied();
         match (cursor, decided) {
-            (None, SendVerdict::Allowed { cursor_before: None, .. }) => {}
+            (None, SendVerdict::Allowed { cursor_before: None, .. }) => {
+                self.exercised.sends_allowed_without_cursor += 1
+            }
             (None, other) => {
                 return Err(format!("seq {seq}: {agent} has no cursor on {surface}; the fold decided {other:?}"))
             }
@@ -1339,8 +1434,10 @@ impl Model {
                     return Err(format!("seq {seq}: cursor {c}→{tail} expected; the fold recorded {decided:?}"));
                 }
                 self.cursors.insert(key, tail);
+                self.exercised.sends_allowed_with_cursor += 1;
             }
             (Some(c), SendVerdict::Held(held)) => {
+                self.exercised.sends_held += 1;
                 let foreign = self.foreign_after(agent, &surface, c);
                 if foreign == 0 {
                     return Err(format!(
@@ -1378,7 +1475,10 @@ impl Model {
         for id in &settled {
             let front = self.queue(&agent).queued.pop_front();
             match front {
-                Some(item) if &item.id == id && self.covered(&agent, &item) => self.settle(&agent, id, at_ns, seq)?,
+                Some(item) if &item.id == id && self.covered(&agent, &item) => {
+                    self.exercised.settled_at_claim += 1;
+                    self.settle(&agent, id, at_ns, seq)?;
+                }
                 other => {
                     return Err(format!(
                         "seq {seq}: the claim settled {id} without a turn; the model's front was {other:?}"
@@ -1470,12 +1570,15 @@ impl Model {
                     return Err(format!("seq {seq}: the start coalesced {coalesced:?}; the model covers {covered:?}"));
                 }
                 self.queue(&agent).queued.retain(|i| !covered.contains(&i.id));
+                self.exercised.starts += 1;
+                self.exercised.coalesced += covered.len() as u64;
                 for id in &covered {
                     self.settle(&agent, id, at_ns, seq)?;
                 }
             }
             Some(Verdict::Refused(_)) if ours && !fresh => {
                 // A stale plan hands the item back to the front of the queue.
+                self.exercised.stale_starts += 1;
                 let queue = self.queue(&agent);
                 let item = queue.active.take().expect("active").item;
                 queue.queued.push_front(item);
@@ -1520,7 +1623,7 @@ impl Model {
 
 /// Runs the first `prefix` steps of the seed's scenario; `Err((step index or None for the end
 /// checks, message))` on the first failed check.
-async fn run_seed(seed: u64, steps: usize, prefix: usize) -> Result<Findings, (Option<usize>, String)> {
+async fn run_seed(seed: u64, steps: usize, prefix: usize) -> Result<(Findings, Exercised), (Option<usize>, String)> {
     let mut scenario = scenario(seed, steps);
     scenario.steps.truncate(prefix);
     let list = scenario.steps.clone();
@@ -1531,7 +1634,7 @@ async fn run_seed(seed: u64, steps: usize, prefix: usize) -> Result<Findings, (O
     }
     sim.final_checks().await.map_err(|e| (None, e))?;
     sim.close().await.map_err(|e| (None, e))?;
-    Ok(sim.findings)
+    Ok((sim.findings, sim.model.exercised))
 }
 
 /// The shortest prefix of the seed's steps that still fails (end checks need a search).
@@ -1574,9 +1677,11 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
     let started = Instant::now();
     let mut findings = Findings::default();
     let mut stuck_seeds = 0u64;
+    let mut exercised = Exercised::default();
     for &seed in &seeds {
         match run_seed(seed, steps, steps).await {
-            Ok(found) => {
+            Ok((found, covered)) => {
+                exercised.add(&covered);
                 findings.heartbeats_dropped += found.heartbeats_dropped;
                 findings.recovered_while_heartbeating += found.recovered_while_heartbeating;
                 stuck_seeds += u64::from(!found.stuck_claims.is_empty());
@@ -1613,4 +1718,5 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
         findings.heartbeats_dropped,
         findings.recovered_while_heartbeating,
     );
+    eprintln!("simulation exercised: {exercised:?}");
 }
