@@ -352,6 +352,8 @@ struct Findings {
     /// Agent/item of every abandoned claim still held a day later, after a recovery tick past
     /// its lease.
     stuck_claims: BTreeSet<String>,
+    /// Held sends whose notice counted the agent's own rows as new messages.
+    held_counts_own_rows: u64,
 }
 
 type SimResult<T> = Result<T, String>;
@@ -806,6 +808,12 @@ impl Sim {
                 if appended {
                     self.heartbeats_appended.insert(key, now);
                 } else if due {
+                    if self.model.strict {
+                        return Err(format!(
+                            "a heartbeat of {} was not appended although none was for a minute of the injected clock",
+                            held.item_id
+                        ));
+                    }
                     self.findings.heartbeats_dropped += 1;
                 }
                 Ok(())
@@ -969,11 +977,10 @@ impl Sim {
         for node in self.nodes.iter().flatten() {
             self.model.compare_queues(&node.engine)?;
         }
-        self.check_liveness();
-        Ok(())
+        self.check_liveness()
     }
 
-    fn check_liveness(&mut self) {
+    fn check_liveness(&mut self) -> SimResult<()> {
         let now = self.clock.now_ns();
         for (agent, queue) in &self.model.queues {
             let Some(active) = &queue.active else { continue };
@@ -981,17 +988,30 @@ impl Sim {
             let ticked_after_lease =
                 self.model.recovery_ticks_at.iter().any(|t| *t >= active.claimed_at_ns + CLAIM_LEASE_NS);
             if abandoned && !active.started && ticked_after_lease && now - active.claimed_at_ns >= DAY_NS {
+                if self.model.strict {
+                    return Err(format!(
+                        "{agent} is stuck: its claim of {} was abandoned a day ago and recovery never re-queued it",
+                        active.id
+                    ));
+                }
                 self.findings.stuck_claims.insert(format!("{agent}/{}", active.id));
             }
         }
-        for recovered in std::mem::take(&mut self.model.recovered_now) {
-            let heartbeating = self.held.values().any(|h| {
-                h.item_id == recovered.1 && h.started && now - h.last_heartbeat_call_ns < HEARTBEAT_SILENCE_NS
-            });
+        for (agent, item) in std::mem::take(&mut self.model.recovered_now) {
+            let heartbeating = self
+                .held
+                .values()
+                .any(|h| h.item_id == item && h.started && now - h.last_heartbeat_call_ns < HEARTBEAT_SILENCE_NS);
             if heartbeating {
+                if self.model.strict {
+                    return Err(format!(
+                        "{agent}'s running wake {item} was re-queued although its runtime heartbeated within 30 minutes"
+                    ));
+                }
                 self.findings.recovered_while_heartbeating += 1;
             }
         }
+        Ok(())
     }
 
     /// End of a seed: a rebuild from the raw log equals every live state, and Explain agrees
@@ -1107,6 +1127,10 @@ impl Exercised {
 
 #[derive(Default)]
 struct Model {
+    /// Known deviations fail instead of being counted.
+    strict: bool,
+    /// Held sends whose notice counted more new messages than foreign rows arrived.
+    held_counts_own_rows: u64,
     exercised: Exercised,
     checked_seq: u64,
     max_concurrent: usize,
@@ -1444,6 +1468,16 @@ impl Model {
                         "seq {seq}: a send of {agent} to {surface} was held with no foreign row after {c}"
                     ));
                 }
+                // DESIGN §4.7: the notice counts the new foreign messages, not the agent's own.
+                if held.new_messages != foreign {
+                    if self.strict {
+                        return Err(format!(
+                            "seq {seq}: the held notice says {} new messages; {foreign} foreign rows follow the cursor {c}",
+                            held.new_messages
+                        ));
+                    }
+                    self.held_counts_own_rows += 1;
+                }
                 if held.cursor_before != c || held.tail != tail {
                     return Err(format!("seq {seq}: held at cursor {c}, tail {tail} expected; recorded {held:?}"));
                 }
@@ -1621,45 +1655,90 @@ impl Model {
 // ---------------------------------------------------------------------------------------------
 // Running seeds, shrinking failures.
 
-/// Runs the first `prefix` steps of the seed's scenario; `Err((step index or None for the end
-/// checks, message))` on the first failed check.
-async fn run_seed(seed: u64, steps: usize, prefix: usize) -> Result<(Findings, Exercised), (Option<usize>, String)> {
-    let mut scenario = scenario(seed, steps);
-    scenario.steps.truncate(prefix);
+/// Runs a scenario; `Err((index of the failed step, or None for the end checks, message))` on
+/// the first failed check.
+async fn run_scenario(scenario: Scenario, strict: bool) -> Result<(Findings, Exercised), (Option<usize>, String)> {
     let list = scenario.steps.clone();
     let mut sim = Sim::open(scenario).await.map_err(|e| (None, format!("opening: {e}")))?;
+    sim.model.strict = strict;
     for (index, step) in list.iter().enumerate() {
         sim.run_step(step).await.map_err(|e| (Some(index), e))?;
         sim.settle_and_check().await.map_err(|e| (Some(index), e))?;
     }
     sim.final_checks().await.map_err(|e| (None, e))?;
     sim.close().await.map_err(|e| (None, e))?;
+    sim.findings.held_counts_own_rows = sim.model.held_counts_own_rows;
     Ok((sim.findings, sim.model.exercised))
 }
 
-/// The shortest prefix of the seed's steps that still fails (end checks need a search).
-async fn shrink(seed: u64, steps: usize, failed_at: Option<usize>) -> (usize, String) {
-    let mut high = failed_at.map_or(steps, |i| i + 1);
-    let mut message = String::new();
-    let mut low = 0;
-    // Prefixes shorter than the failing step may fail the end checks earlier.
+/// Reruns of a failing seed spent on shrinking it at most.
+const SHRINK_RUNS_MAX: usize = 300;
+
+/// Shrinks a failing scenario: first the shortest failing prefix (the end checks need a search),
+/// then drops chunks of steps (halves, quarters, ... single steps) while it still fails. Steps
+/// are plain data, so any subsequence is a valid scenario. Returns the steps and the failure.
+/// The words of a failure that do not vary with ids and numbers: a shrunk scenario must fail
+/// the same way, not find another failure on the way.
+fn failure_kind(message: &str) -> Vec<String> {
+    message
+        .split(|c: char| !c.is_ascii_alphabetic())
+        .filter(|w| w.len() >= 4 && w.chars().all(|c| c.is_ascii_lowercase()))
+        .take(6)
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn shrink(failing: Scenario, failed_at: Option<usize>, first_error: &str, strict: bool) -> (Vec<Step>, String) {
+    let kind = failure_kind(first_error);
+    let runs = std::cell::Cell::new(0usize);
+    let attempt = |steps: Vec<Step>| {
+        runs.set(runs.get() + 1);
+        let scenario = Scenario { steps, ..failing.clone() };
+        let kind = kind.clone();
+        async move { run_scenario(scenario, strict).await.err().map(|(_, e)| e).filter(|e| failure_kind(e) == kind) }
+    };
+    let mut steps = failing.steps.clone();
+    steps.truncate(failed_at.map_or(steps.len(), |i| i + 1));
+    let mut message = None;
+    let (mut low, mut high) = (0, steps.len());
     while low < high {
         let mid = (low + high) / 2;
-        match run_seed(seed, steps, mid).await {
-            Err((_, e)) => {
+        match attempt(steps[..mid].to_vec()).await {
+            Some(e) => {
                 high = mid;
-                message = e;
+                message = Some(e);
             }
-            Ok(_) => low = mid + 1,
+            None => low = mid + 1,
         }
     }
-    if message.is_empty() {
-        message = match run_seed(seed, steps, high).await {
-            Err((_, e)) => e,
-            Ok(_) => "(this prefix passed when rerun: the failure depends on timing)".to_owned(),
-        };
+    steps.truncate(high);
+    let mut message = match message {
+        Some(e) => e,
+        None => match attempt(steps.clone()).await {
+            Some(e) => e,
+            None => return (steps, "(the prefix passed when rerun: the failure depends on timing)".into()),
+        },
+    };
+    let mut chunk = steps.len().div_ceil(2);
+    while chunk >= 1 && runs.get() < SHRINK_RUNS_MAX {
+        let mut start = 0;
+        while start < steps.len() && runs.get() < SHRINK_RUNS_MAX {
+            let mut fewer = steps.clone();
+            fewer.drain(start..(start + chunk).min(steps.len()));
+            match attempt(fewer.clone()).await {
+                Some(e) => {
+                    steps = fewer;
+                    message = e;
+                }
+                None => start += chunk,
+            }
+        }
+        if chunk == 1 {
+            break;
+        }
+        chunk = chunk.div_ceil(2);
     }
-    (high, message)
+    (steps, message)
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -1679,44 +1758,43 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
     let mut stuck_seeds = 0u64;
     let mut exercised = Exercised::default();
     for &seed in &seeds {
-        match run_seed(seed, steps, steps).await {
+        let generated = scenario(seed, steps);
+        match run_scenario(generated.clone(), strict).await {
             Ok((found, covered)) => {
                 exercised.add(&covered);
                 findings.heartbeats_dropped += found.heartbeats_dropped;
                 findings.recovered_while_heartbeating += found.recovered_while_heartbeating;
+                findings.held_counts_own_rows += found.held_counts_own_rows;
                 stuck_seeds += u64::from(!found.stuck_claims.is_empty());
-                if strict && (found.recovered_while_heartbeating > 0 || !found.stuck_claims.is_empty()) {
-                    panic!(
-                        "seed {seed}: liveness: {found:?}\nrerun: ANIMA_SIM_SEED={seed} ANIMA_SIM_STEPS={steps} ANIMA_SIM_STRICT=1 cargo test -p anima-engine --test it simulation::"
-                    );
-                }
             }
             Err((at, error)) => {
-                let (prefix, shrunk) = shrink(seed, steps, at).await;
-                let list = scenario(seed, steps);
-                let shown: Vec<String> =
-                    list.steps.iter().take(prefix).enumerate().map(|(i, s)| format!("  {i:>3}: {s:?}")).collect();
+                let (shrunk, shrunk_error) = shrink(generated.clone(), at, &error, strict).await;
+                let shown: Vec<String> = shrunk.iter().map(|s| format!("    {s:?}")).collect();
                 panic!(
                     "simulation seed {seed} failed{}: {error}\n\
-                     shortest failing prefix: {prefix} steps ({} instance(s), maxConcurrent {}, checkpoint every {} events), failing with: {shrunk}\n{}\n\
-                     rerun: ANIMA_SIM_SEED={seed} ANIMA_SIM_STEPS={steps} cargo test -p anima-engine --test it simulation::",
+                     shrunk to {} of its steps ({} instance(s), maxConcurrent {}, checkpoint every {} events), failing with: {shrunk_error}\n{}\n\
+                     rerun: ANIMA_SIM_SEED={seed} ANIMA_SIM_STEPS={steps}{} cargo test -p anima-engine --test it simulation::",
                     at.map_or(" at the end checks".to_owned(), |i| format!(" at step {i}")),
-                    list.nodes,
-                    list.max_concurrent,
-                    list.checkpoint_every_events,
-                    shown.join("\n")
+                    shrunk.len(),
+                    generated.nodes,
+                    generated.max_concurrent,
+                    generated.checkpoint_every_events,
+                    shown.join("\n"),
+                    if strict { " ANIMA_SIM_STRICT=1" } else { "" },
                 );
             }
         }
     }
     let elapsed = started.elapsed();
     eprintln!(
-        "simulation: {} seeds × {steps} steps in {:.1} s ({:.1} seeds/s); liveness findings: {} heartbeats dropped, {} wakes recovered while heartbeating, {stuck_seeds} seeds with a stuck claim",
+        "simulation: {} seeds × {steps} steps in {:.1} s ({:.1} seeds/s); known defects seen: {} heartbeats dropped, \
+         {} wakes re-queued while heartbeating, {stuck_seeds} seeds with a stuck claim, {} held notices counting own rows",
         seeds.len(),
         elapsed.as_secs_f64(),
         seeds.len() as f64 / elapsed.as_secs_f64().max(1e-9),
         findings.heartbeats_dropped,
         findings.recovered_while_heartbeating,
+        findings.held_counts_own_rows,
     );
     eprintln!("simulation exercised: {exercised:?}");
 }
