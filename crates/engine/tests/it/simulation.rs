@@ -1798,3 +1798,110 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
     );
     eprintln!("simulation exercised: {exercised:?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// The checker itself: it must fail on the violations it exists for, or the run above proves
+// nothing.
+
+fn dm_surface() -> SurfaceId {
+    SurfaceId::Slack { team: TEAM.into(), channel: dm_channel(0), thread_ts: None }
+}
+
+fn event(payload: Payload) -> proto::Envelope {
+    proto::Envelope {
+        event_id: "e".into(),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "checker-test".into(),
+        payload: Some(payload),
+    }
+}
+
+/// A person's DM to ada, journaled as row 1 and queued as a wake.
+fn model_with_a_foreign_dm_row() -> Model {
+    let mut model = Model { max_concurrent: 1, ..Model::default() };
+    let message = Payload::SlackMessage(proto::SlackMessageObserved {
+        receiving_agent_id: AGENTS[0].into(),
+        kind: proto::SlackDeliveryKind::Message as i32,
+        team_id: TEAM.into(),
+        channel_id: dm_channel(0),
+        ts: "1700000000.000001".into(),
+        user_id: HUMANS[0].into(),
+        text: "hello".into(),
+        ..Default::default()
+    });
+    let journaled = Verdict::Journaled(anima_projections::verdict::JournalVerdict {
+        agent: AGENTS[0].into(),
+        surface: Some(dm_surface()),
+        ordinal: 1,
+        duplicate_message: false,
+        wake: Some(anima_projections::wake::WakeReason::Dm),
+        route: None,
+    });
+    model.apply(1, 1, &event(message), Some(&journaled), &BTreeMap::new()).expect("a plain DM is consistent");
+    model
+}
+
+#[test]
+fn the_checker_refuses_a_send_allowed_over_a_foreign_row_its_cursor_had_not_passed() {
+    // Given ada's cursor at 0 on a DM whose row 1 is a person's.
+    let mut model = model_with_a_foreign_dm_row();
+    model.cursors.insert((AGENTS[0].into(), dm_surface()), 0);
+    // When the fold allows ada's send there.
+    let send = Payload::Send(Sim::send_request(0, &dm_surface()));
+    let allowed =
+        Verdict::Send(SendVerdict::Allowed { surface: dm_surface(), cursor_before: Some(0), cursor_after: Some(1) });
+    let checked = model.apply(2, 2, &event(send), Some(&allowed), &BTreeMap::new());
+    // Then the checker fails, naming the unsafe send.
+    let error = checked.expect_err("an unsafe send must fail the check");
+    assert!(error.contains("allowed over 1 foreign rows"), "{error}");
+}
+
+#[test]
+fn the_checker_refuses_a_settled_item_that_comes_back() {
+    // Given ada's DM wake settled without a turn at a claim (her cursor covers it).
+    let mut model = model_with_a_foreign_dm_row();
+    model.cursors.insert((AGENTS[0].into(), dm_surface()), 1);
+    let id = format!("slack:{TEAM}:{}:1700000000.000001", dm_channel(0));
+    let claim = Payload::WakeClaim(proto::WakeClaimRequested {
+        agent_id: AGENTS[0].into(),
+        worker_id: "w".into(),
+        ..Default::default()
+    });
+    let nothing = Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn: vec![id.clone()] });
+    model.apply(2, 2, &event(claim), Some(&nothing), &BTreeMap::new()).expect("a covered item settles");
+    // When the fold queues the same item again a minute later.
+    let item = ModelItem { id, trigger: None, resume: false, memory: None };
+    let checked = model.enqueue(AGENTS[0], item, MINUTE_NS, 3);
+    // Then the checker fails.
+    let error = checked.expect_err("a settled item must not come back");
+    assert!(error.contains("came back"), "{error}");
+}
+
+#[test]
+fn the_checker_refuses_a_pass_over_max_concurrent() {
+    // Given maxConcurrent 1 and ada's pass of 2026-03-02 queued at its slot.
+    let mut model = Model { max_concurrent: 1, ..Model::default() };
+    let slot_ms = 1_772_409_600_000 + 6 * 3_600_000;
+    let pass = |agent: &str, seq: u64| {
+        let request = Payload::MemoryPass(proto::MemoryPassRequested {
+            agent_id: agent.into(),
+            window_day: "2026-03-02".into(),
+            slot_at_ms: slot_ms,
+        });
+        let queued = Verdict::MemoryPassQueued {
+            agent: agent.into(),
+            pass_id: format!("memory-pass:{agent}:2026-03-02"),
+            window_day: "2026-03-02".into(),
+        };
+        (event(request), queued, seq)
+    };
+    let (request, queued, seq) = pass(AGENTS[0], 1);
+    model.apply(seq, slot_ms * 1_000_000, &request, Some(&queued), &BTreeMap::new()).expect("the first pass fits");
+    // When bo's pass is queued while ada's is still open.
+    let (request, queued, seq) = pass(AGENTS[1], 2);
+    let checked = model.apply(seq, slot_ms * 1_000_000 + 1, &request, Some(&queued), &BTreeMap::new());
+    // Then the checker fails.
+    let error = checked.expect_err("two open passes exceed maxConcurrent 1");
+    assert!(error.contains("maxConcurrent is 1"), "{error}");
+}
