@@ -54,6 +54,9 @@ use tokio_util::sync::CancellationToken;
 
 /// Seeds of the default run (`cargo test`).
 const SEEDS_DEFAULT: u64 = 1_000;
+/// Seeds run at once (`ANIMA_SIM_PARALLEL`). One by default: on 2 loaded cores, 4 at once took
+/// twice as long as 1 (each sled database brings its own threads).
+const SEEDS_IN_FLIGHT_DEFAULT: usize = 1;
 /// Steps of one seed in the default run: small seeds, many of them.
 const STEPS_DEFAULT: usize = 40;
 /// How long a step waits for an instance to apply what the log holds.
@@ -61,6 +64,9 @@ const APPLY_WAIT: Duration = Duration::from_secs(20);
 /// How long a reopen waits for sled's directory lock, which its flusher thread releases a moment
 /// after the last handle drops.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// The checkpoint key of the fold's meta entry (applied seq): the state prefix, then table 0.
+const META_ENTRY_KEY: [u8; 2] = [anima_engine::checkpoint::STATE_PREFIX, 0];
 
 const MINUTE_NS: i64 = 60 * 1_000_000_000;
 const DAY_NS: i64 = 24 * 60 * MINUTE_NS;
@@ -207,6 +213,12 @@ enum Step {
     },
     /// The whole process dies (every instance, the log) and restarts from the data dir.
     CrashAll,
+    /// Opt-in (`ANIMA_SIM_TORN=1`): a node dies and its checkpoint is torn between its items and
+    /// its meta entry: the items of the newest checkpoint with the meta entry (applied seq) of
+    /// the one before. sled's atomic batch makes this unreachable through the engine.
+    TornCheckpoint {
+        node: usize,
+    },
     /// A send's append lands, the process dies before the verdict, the runtime retries the same
     /// request id after the restart.
     CrashDuringSend {
@@ -225,13 +237,19 @@ struct Scenario {
 }
 
 fn scenario(seed: u64, steps: usize) -> Scenario {
+    let torn = std::env::var("ANIMA_SIM_TORN").is_ok_and(|v| v == "1");
     let mut rng = Rng(seed ^ 0xA5A5_5A5A_0F0F_F0F0);
     let nodes = 1 + rng.index(2);
     let max_concurrent = 1 + rng.below(2) as i64;
     let checkpoint_every_events = 1 + rng.below(12);
     // 2026-03-02T00:00Z plus up to a day.
     let start_ns = 1_772_409_600 * 1_000_000_000 + rng.below(24 * 60) as i64 * MINUTE_NS;
-    let list = (0..steps).map(|_| step(&mut rng, nodes)).collect();
+    let list = (0..steps)
+        .map(|_| match step(&mut rng, nodes) {
+            Step::CrashNode { node } if torn => Step::TornCheckpoint { node },
+            other => other,
+        })
+        .collect();
     Scenario { nodes, max_concurrent, checkpoint_every_events, start_ns, steps: list }
 }
 
@@ -337,6 +355,8 @@ struct Sim {
     model: Model,
     /// Sim time of the last appended heartbeat per (node, agent, item).
     heartbeats_appended: BTreeMap<(usize, String, String), i64>,
+    /// Per node: the meta entries of its newest two checkpoints (older, newer).
+    checkpoint_metas: BTreeMap<usize, (Option<sled::IVec>, Option<sled::IVec>)>,
     findings: Findings,
 }
 
@@ -384,6 +404,7 @@ impl Sim {
             sends: BTreeMap::new(),
             model: Model::default(),
             heartbeats_appended: BTreeMap::new(),
+            checkpoint_metas: BTreeMap::new(),
             findings: Findings::default(),
         };
         sim.start_process().await?;
@@ -465,6 +486,23 @@ impl Sim {
         Ok(())
     }
 
+    fn checkpoint_tree(&self, node: usize) -> SimResult<sled::Tree> {
+        let db = self.db.as_ref().expect("open");
+        db.open_tree(format!("checkpoint-{node}")).map_err(|e| format!("checkpoint tree: {e}"))
+    }
+
+    /// Remembers the meta entries of each node's two newest checkpoints, for tearing.
+    fn note_checkpoint_metas(&mut self) -> SimResult<()> {
+        for node in 0..self.nodes.len() {
+            let meta = self.checkpoint_tree(node)?.get(META_ENTRY_KEY).map_err(|e| format!("meta: {e}"))?;
+            let entry = self.checkpoint_metas.entry(node).or_default();
+            if meta.is_some() && entry.1 != meta {
+                *entry = (entry.1.take(), meta);
+            }
+        }
+        Ok(())
+    }
+
     /// Kills a node's runner without its last checkpoint.
     async fn kill_node(&mut self, node: usize) {
         if let Some(killed) = self.nodes[node].take() {
@@ -511,6 +549,29 @@ impl Sim {
         if !self.surfaces.contains(&surface) && self.surfaces.len() < 64 {
             self.surfaces.push(surface);
         }
+    }
+
+    /// Every node's live state equals a fresh rebuild of the raw log, byte for byte.
+    async fn compare_with_rebuild(&self) -> SimResult<Arc<anima_engine::replay::Rebuilt>> {
+        let rebuilt = Replayer::new(self.log(), ReplayConfig::default())
+            .rebuild(None)
+            .await
+            .map_err(|e| format!("rebuild: {e}"))?;
+        let expected = rebuilt.state.canonical_bytes();
+        for (n, node) in self.nodes.iter().enumerate() {
+            let node = node.as_ref().expect("running");
+            let applied = node.engine.projection().applied_seq();
+            let live = node.engine.projection().state().canonical_bytes();
+            if applied == rebuilt.seq && live != expected {
+                return Err(format!(
+                    "node {n}'s live state ({} bytes) differs from a rebuild of the log ({} bytes) at seq {}",
+                    live.len(),
+                    expected.len(),
+                    rebuilt.seq
+                ));
+            }
+        }
+        Ok(rebuilt)
     }
 
     async fn run_step(&mut self, step: &Step) -> SimResult<()> {
@@ -671,6 +732,17 @@ impl Sim {
                 self.model.exercised.crashes += 1;
                 self.kill_node(*node).await;
                 self.heartbeats_appended.retain(|(n, _, _), _| n != node);
+                self.start_node(*node).await?;
+            }
+            Step::TornCheckpoint { node } => {
+                self.model.exercised.crashes += 1;
+                self.kill_node(*node).await;
+                self.heartbeats_appended.retain(|(n, _, _), _| n != node);
+                if let Some((Some(older), _)) = self.checkpoint_metas.get(node) {
+                    let tree = self.checkpoint_tree(*node)?;
+                    tree.insert(META_ENTRY_KEY, older.clone()).map_err(|e| format!("tearing: {e}"))?;
+                    tree.flush().map_err(|e| format!("tearing: {e}"))?;
+                }
                 self.start_node(*node).await?;
             }
             Step::CrashAll => {
@@ -977,6 +1049,7 @@ impl Sim {
         for node in self.nodes.iter().flatten() {
             self.model.compare_queues(&node.engine)?;
         }
+        self.note_checkpoint_metas()?;
         self.check_liveness()
     }
 
@@ -1017,20 +1090,14 @@ impl Sim {
     /// End of a seed: a rebuild from the raw log equals every live state, and Explain agrees
     /// with every send verdict the client got.
     async fn final_checks(&mut self) -> SimResult<()> {
-        let replayer = Replayer::new(self.log(), ReplayConfig::default());
-        let rebuilt = replayer.rebuild(None).await.map_err(|e| format!("rebuild: {e}"))?;
-        let expected = rebuilt.state.canonical_bytes();
+        let log = self.log();
+        let last = log.last_seq().await.map_err(|e| format!("last seq: {e}"))?;
         for (n, node) in self.nodes.iter().enumerate() {
-            let live = node.as_ref().expect("running").engine.projection().state().canonical_bytes();
-            if live != expected {
-                return Err(format!(
-                    "node {n}'s live state ({} bytes) differs from a rebuild of the log ({} bytes) at seq {}",
-                    live.len(),
-                    expected.len(),
-                    rebuilt.seq
-                ));
-            }
+            let projection = node.as_ref().expect("running").engine.projection().clone();
+            projection.wait_applied(last, APPLY_WAIT).await.map_err(|e| format!("node {n}: {e}"))?;
         }
+        self.compare_with_rebuild().await?;
+        let replayer = Replayer::new(log, ReplayConfig::default());
         for (seq, verdict) in &self.sends {
             let explained = replayer.explain(*seq).await.map_err(|e| format!("explain {seq}: {e}"))?;
             if explained.verdict.as_ref() != Some(&Verdict::Send(verdict.clone())) {
@@ -1664,6 +1731,13 @@ async fn run_scenario(scenario: Scenario, strict: bool) -> Result<(Findings, Exe
     for (index, step) in list.iter().enumerate() {
         sim.run_step(step).await.map_err(|e| (Some(index), e))?;
         sim.settle_and_check().await.map_err(|e| (Some(index), e))?;
+        if matches!(
+            step,
+            Step::CrashNode { .. } | Step::CrashAll | Step::CrashDuringSend { .. } | Step::TornCheckpoint { .. }
+        ) {
+            // A restarted instance resumed from its checkpoint: it must equal a rebuild.
+            sim.compare_with_rebuild().await.map_err(|e| (Some(index), e))?;
+        }
     }
     sim.final_checks().await.map_err(|e| (None, e))?;
     sim.close().await.map_err(|e| (None, e))?;
@@ -1757,9 +1831,18 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
     let mut findings = Findings::default();
     let mut stuck_seeds = 0u64;
     let mut exercised = Exercised::default();
-    for &seed in &seeds {
-        let generated = scenario(seed, steps);
-        match run_scenario(generated.clone(), strict).await {
+    // Seeds are independent (own data dir, own clock), so several may run at once; each stays
+    // deterministic.
+    let parallel = env_u64("ANIMA_SIM_PARALLEL").map_or(SEEDS_IN_FLIGHT_DEFAULT, |p| p.max(1) as usize);
+    let mut runs = futures::stream::iter(seeds.iter().copied())
+        .map(|seed| async move {
+            let generated = scenario(seed, steps);
+            (seed, generated.clone(), run_scenario(generated, strict).await)
+        })
+        .buffer_unordered(parallel);
+    let mut failure = None;
+    while let Some((seed, generated, outcome)) = runs.next().await {
+        match outcome {
             Ok((found, covered)) => {
                 exercised.add(&covered);
                 findings.heartbeats_dropped += found.heartbeats_dropped;
@@ -1768,22 +1851,32 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
                 stuck_seeds += u64::from(!found.stuck_claims.is_empty());
             }
             Err((at, error)) => {
-                let (shrunk, shrunk_error) = shrink(generated.clone(), at, &error, strict).await;
-                let shown: Vec<String> = shrunk.iter().map(|s| format!("    {s:?}")).collect();
-                panic!(
-                    "simulation seed {seed} failed{}: {error}\n\
-                     shrunk to {} of its steps ({} instance(s), maxConcurrent {}, checkpoint every {} events), failing with: {shrunk_error}\n{}\n\
-                     rerun: ANIMA_SIM_SEED={seed} ANIMA_SIM_STEPS={steps}{} cargo test -p anima-engine --test it simulation::",
-                    at.map_or(" at the end checks".to_owned(), |i| format!(" at step {i}")),
-                    shrunk.len(),
-                    generated.nodes,
-                    generated.max_concurrent,
-                    generated.checkpoint_every_events,
-                    shown.join("\n"),
-                    if strict { " ANIMA_SIM_STRICT=1" } else { "" },
-                );
+                failure = Some((seed, generated, at, error));
+                break;
             }
         }
+    }
+    drop(runs);
+    if let Some((seed, generated, at, error)) = failure {
+        let (shrunk, shrunk_error) = shrink(generated.clone(), at, &error, strict).await;
+        let shown: Vec<String> = shrunk.iter().map(|s| format!("    {s:?}")).collect();
+        panic!(
+            "simulation seed {seed} failed{}: {error}\n\
+             shrunk to {} of its steps ({} instance(s), maxConcurrent {}, checkpoint every {} events), failing with: {shrunk_error}\n{}\n\
+             rerun: ANIMA_SIM_SEED={seed} ANIMA_SIM_STEPS={steps}{} cargo test -p anima-engine --test it simulation::",
+            at.map_or(" at the end checks".to_owned(), |i| format!(" at step {i}")),
+            shrunk.len(),
+            generated.nodes,
+            generated.max_concurrent,
+            generated.checkpoint_every_events,
+            shown.join("\n"),
+            match (strict, std::env::var("ANIMA_SIM_TORN").is_ok_and(|v| v == "1")) {
+                (true, true) => " ANIMA_SIM_STRICT=1 ANIMA_SIM_TORN=1",
+                (true, false) => " ANIMA_SIM_STRICT=1",
+                (false, true) => " ANIMA_SIM_TORN=1",
+                (false, false) => "",
+            },
+        );
     }
     let elapsed = started.elapsed();
     eprintln!(
