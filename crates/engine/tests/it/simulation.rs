@@ -374,6 +374,8 @@ struct Findings {
     stuck_claims: BTreeSet<String>,
     /// Held sends whose notice counted the agent's own rows as new messages.
     held_counts_own_rows: u64,
+    /// Sends allowed while the agent's running wake was a memory pass (DESIGN §4.12 "sealed").
+    sends_during_memory_pass: u64,
 }
 
 type SimResult<T> = Result<T, String>;
@@ -540,6 +542,11 @@ impl Sim {
         Ok(())
     }
 
+    /// Connectors reach either instance: the one of an observation follows from the counter.
+    fn ingest_node(&self) -> usize {
+        (self.counter as usize) % self.nodes.len()
+    }
+
     fn next_ts(&mut self) -> String {
         self.counter += 1;
         format!("{}.{:06}", self.clock.now_ns() / 1_000_000_000, self.counter)
@@ -623,11 +630,14 @@ impl Sim {
                 };
                 self.remember_surface(surface);
                 self.deliveries.push(SlackDelivery { observation: observation.clone() });
-                self.engine(0).ingest_slack(observation).await.map_err(|e| engine_error("slack ingest", e))?;
+                self.engine(self.ingest_node())
+                    .ingest_slack(observation)
+                    .await
+                    .map_err(|e| engine_error("slack ingest", e))?;
             }
             Step::Redeliver { back } => {
                 if let Some(delivery) = self.deliveries.iter().rev().nth(*back).cloned() {
-                    self.engine(0)
+                    self.engine(self.ingest_node())
                         .ingest_slack(delivery.observation)
                         .await
                         .map_err(|e| engine_error("slack redelivery", e))?;
@@ -664,7 +674,10 @@ impl Sim {
                     occurred_at_ms: self.clock.now_ns() / 1_000_000,
                 };
                 self.remember_surface(SurfaceId::Chat { tenant: TENANT.into(), chat: chat_id, thread: None });
-                self.engine(0).ingest_chat(observation).await.map_err(|e| engine_error("chat ingest", e))?;
+                self.engine(self.ingest_node())
+                    .ingest_chat(observation)
+                    .await
+                    .map_err(|e| engine_error("chat ingest", e))?;
             }
             Step::LinearCreated { agent } => {
                 self.counter += 1;
@@ -683,7 +696,10 @@ impl Sim {
                     },
                     occurred_at_ms: self.clock.now_ns() / 1_000_000,
                 };
-                self.engine(0).ingest_linear(observation).await.map_err(|e| engine_error("linear ingest", e))?;
+                self.engine(self.ingest_node())
+                    .ingest_linear(observation)
+                    .await
+                    .map_err(|e| engine_error("linear ingest", e))?;
             }
             Step::Claim { agent, node } => self.claim(self.pick(*agent, |h| h.is_none()), *node).await?,
             Step::Start { agent, node } => {
@@ -914,6 +930,9 @@ impl Sim {
                 known[n % known.len()].clone()
             }
             (Some(n), _) => self.surfaces[n % self.surfaces.len()].clone(),
+            // A memory pass reads untrusted history; one that tries to post (an injected
+            // instruction) goes where the agent was woken before.
+            (None, Some(held)) if held.started && held.memory && known.is_some() => known.expect("checked")[0].clone(),
             (None, Some(held)) if held.started => held.reply_to.clone(),
             _ => return None,
         };
@@ -1198,6 +1217,8 @@ struct Model {
     strict: bool,
     /// Held sends whose notice counted more new messages than foreign rows arrived.
     held_counts_own_rows: u64,
+    /// Sends allowed while the agent's running wake was a memory pass.
+    sends_during_memory_pass: u64,
     exercised: Exercised,
     checked_seq: u64,
     max_concurrent: usize,
@@ -1504,6 +1525,18 @@ impl Model {
                 return Err(format!("seq {seq}: the client got {answered:?}, the fold recorded {decided:?}"));
             }
         }
+        // DESIGN §4.12: while the agent's running wake is a memory pass, its sends are refused.
+        let sealed = self
+            .queues
+            .get(agent)
+            .and_then(|q| q.active.as_ref())
+            .is_some_and(|a| a.started && a.item.memory.is_some());
+        if sealed && matches!(decided, SendVerdict::Allowed { .. }) {
+            if self.strict {
+                return Err(format!("seq {seq}: a send of {agent} was allowed while its memory pass runs"));
+            }
+            self.sends_during_memory_pass += 1;
+        }
         let key = (agent.clone(), surface.clone());
         let tail = self.tail(&surface);
         let cursor = self.cursors.get(&key).copied();
@@ -1742,6 +1775,7 @@ async fn run_scenario(scenario: Scenario, strict: bool) -> Result<(Findings, Exe
     sim.final_checks().await.map_err(|e| (None, e))?;
     sim.close().await.map_err(|e| (None, e))?;
     sim.findings.held_counts_own_rows = sim.model.held_counts_own_rows;
+    sim.findings.sends_during_memory_pass = sim.model.sends_during_memory_pass;
     Ok((sim.findings, sim.model.exercised))
 }
 
@@ -1848,6 +1882,7 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
                 findings.heartbeats_dropped += found.heartbeats_dropped;
                 findings.recovered_while_heartbeating += found.recovered_while_heartbeating;
                 findings.held_counts_own_rows += found.held_counts_own_rows;
+                findings.sends_during_memory_pass += found.sends_during_memory_pass;
                 stuck_seeds += u64::from(!found.stuck_claims.is_empty());
             }
             Err((at, error)) => {
@@ -1881,13 +1916,15 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
     let elapsed = started.elapsed();
     eprintln!(
         "simulation: {} seeds × {steps} steps in {:.1} s ({:.1} seeds/s); known defects seen: {} heartbeats dropped, \
-         {} wakes re-queued while heartbeating, {stuck_seeds} seeds with a stuck claim, {} held notices counting own rows",
+         {} wakes re-queued while heartbeating, {stuck_seeds} seeds with a stuck claim, {} held notices counting own rows, \
+         {} sends allowed during a memory pass",
         seeds.len(),
         elapsed.as_secs_f64(),
         seeds.len() as f64 / elapsed.as_secs_f64().max(1e-9),
         findings.heartbeats_dropped,
         findings.recovered_while_heartbeating,
         findings.held_counts_own_rows,
+        findings.sends_during_memory_pass,
     );
     eprintln!("simulation exercised: {exercised:?}");
 }
