@@ -154,14 +154,24 @@ enum Step {
     Redeliver {
         back: usize,
     },
-    /// A chat message in the group chat or an agent's p2p chat.
+    /// A chat message in the group chat or an agent's p2p chat, at the top level or in the
+    /// thread of the `thread`-th newest top-level message there.
     Chat {
         p2p_of: Option<usize>,
+        thread: Option<usize>,
         author: Author,
         mention: Option<usize>,
     },
     LinearCreated {
         agent: usize,
+    },
+    /// A new prompt in the `back`-th newest Linear session.
+    LinearPrompted {
+        back: usize,
+    },
+    /// A stop of the `back`-th newest Linear session: its queued input goes.
+    LinearStop {
+        back: usize,
     },
     Claim {
         agent: usize,
@@ -275,10 +285,16 @@ fn step(rng: &mut Rng, nodes: usize) -> Step {
         24..=25 => Step::Redeliver { back: rng.index(4) },
         26..=30 => Step::Chat {
             p2p_of: rng.percent(40).then_some(agent),
+            thread: rng.percent(30).then(|| rng.index(3)),
             author: author(rng),
             mention: rng.percent(30).then(|| rng.index(AGENTS.len())),
         },
-        31..=32 => Step::LinearCreated { agent },
+        31 => Step::LinearCreated { agent },
+        32 => match rng.below(3) {
+            0 => Step::LinearCreated { agent },
+            1 => Step::LinearPrompted { back: rng.index(3) },
+            _ => Step::LinearStop { back: rng.index(3) },
+        },
         33..=46 => Step::Claim { agent, node },
         47..=58 => Step::Start { agent, node },
         59..=65 => Step::Finish { agent, node, outcome: rng.below(4) as u8 },
@@ -345,6 +361,10 @@ struct Sim {
     /// Top-level Slack ts per channel, newest last (thread roots).
     roots: BTreeMap<String, Vec<String>>,
     deliveries: Vec<SlackDelivery>,
+    /// Top-level chat message ids per chat, newest last (thread roots).
+    chat_roots: BTreeMap<String, Vec<String>>,
+    /// Linear sessions as (agent, session id), newest last.
+    sessions: Vec<(usize, String)>,
     /// Surfaces the runtime may post to or mute, as they appeared.
     surfaces: Vec<SurfaceId>,
     /// Per agent: the surfaces of the wakes it was given (plans and reply targets), where it
@@ -401,6 +421,8 @@ impl Sim {
             counter: 0,
             roots: BTreeMap::new(),
             deliveries: Vec::new(),
+            chat_roots: BTreeMap::new(),
+            sessions: Vec::new(),
             surfaces: Vec::new(),
             known: BTreeMap::new(),
             sends: BTreeMap::new(),
@@ -643,7 +665,7 @@ impl Sim {
                         .map_err(|e| engine_error("slack redelivery", e))?;
                 }
             }
-            Step::Chat { p2p_of, author, mention } => {
+            Step::Chat { p2p_of, thread, author, mention } => {
                 self.counter += 1;
                 let (chat_id, kind, receivers) = match p2p_of {
                     Some(a) => (p2p_chat(*a), proto::ChatKind::P2p, vec![AGENTS[*a].to_owned()]),
@@ -657,13 +679,26 @@ impl Sim {
                     Author::Human(h) => CHAT_HUMANS[*h].to_owned(),
                     Author::Agent(a) => chat_user_id(*a),
                 };
+                let message_id = format!("m{}", self.counter);
+                let thread_id = match thread {
+                    Some(back) => self
+                        .chat_roots
+                        .get(&chat_id)
+                        .and_then(|roots| roots.iter().rev().nth(*back).cloned())
+                        .unwrap_or_default(),
+                    None => String::new(),
+                };
+                if thread_id.is_empty() {
+                    self.chat_roots.entry(chat_id.clone()).or_default().push(message_id.clone());
+                }
                 let observation = ChatObservation {
                     receiving_agent_ids: receivers,
                     message: proto::ChatMessageObserved {
                         tenant_id: TENANT.into(),
                         chat_id: chat_id.clone(),
                         chat_kind: kind as i32,
-                        message_id: format!("m{}", self.counter),
+                        message_id,
+                        thread_id: thread_id.clone(),
                         sender_is_bot: matches!(author, Author::Agent(_)),
                         sender_id,
                         sender_name: "someone".into(),
@@ -673,7 +708,8 @@ impl Sim {
                     },
                     occurred_at_ms: self.clock.now_ns() / 1_000_000,
                 };
-                self.remember_surface(SurfaceId::Chat { tenant: TENANT.into(), chat: chat_id, thread: None });
+                let thread = (!thread_id.is_empty()).then_some(thread_id);
+                self.remember_surface(SurfaceId::Chat { tenant: TENANT.into(), chat: chat_id, thread });
                 self.engine(self.ingest_node())
                     .ingest_chat(observation)
                     .await
@@ -688,7 +724,10 @@ impl Sim {
                         receiving_agent_id: AGENTS[*agent].to_owned(),
                         installation_id: INSTALLATION.into(),
                         kind: proto::LinearSessionEventKind::Created as i32,
-                        session_id: session.to_string(),
+                        session_id: {
+                            self.sessions.push((*agent, session.to_string()));
+                            session.to_string()
+                        },
                         issue_identifier: format!("ENG-{}", self.counter),
                         issue_title: "a task".into(),
                         prompt_text: "please do the task".into(),
@@ -700,6 +739,31 @@ impl Sim {
                     .ingest_linear(observation)
                     .await
                     .map_err(|e| engine_error("linear ingest", e))?;
+            }
+            Step::LinearPrompted { back } | Step::LinearStop { back } => {
+                let Some((agent, session)) = self.sessions.iter().rev().nth(*back).cloned() else { return Ok(()) };
+                self.counter += 1;
+                let prompted = matches!(step, Step::LinearPrompted { .. });
+                let observation = LinearObservation {
+                    event: proto::LinearSessionEvent {
+                        receiving_agent_id: AGENTS[agent].to_owned(),
+                        installation_id: INSTALLATION.into(),
+                        kind: if prompted {
+                            proto::LinearSessionEventKind::Prompted as i32
+                        } else {
+                            proto::LinearSessionEventKind::Stop as i32
+                        },
+                        session_id: session,
+                        agent_activity_id: if prompted { format!("act{}", self.counter) } else { String::new() },
+                        prompt_text: if prompted { "one more thing".into() } else { String::new() },
+                        ..Default::default()
+                    },
+                    occurred_at_ms: self.clock.now_ns() / 1_000_000,
+                };
+                self.engine(self.ingest_node())
+                    .ingest_linear(observation)
+                    .await
+                    .map_err(|e| engine_error("linear", e))?;
             }
             Step::Claim { agent, node } => self.claim(self.pick(*agent, |h| h.is_none()), *node).await?,
             Step::Start { agent, node } => {
@@ -1155,6 +1219,8 @@ struct ModelItem {
     trigger: Option<(SurfaceId, u64)>,
     resume: bool,
     memory: Option<String>,
+    /// The Linear session of a Linear item.
+    session: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -1359,16 +1425,45 @@ impl Model {
                 }
             }
             Payload::LinearSession(event) => {
-                if let Some(Verdict::LinearSession(v)) = verdict {
-                    if v.wake.is_some() {
-                        let receipt = v.receipt.clone().ok_or("a Linear wake without a receipt")?;
-                        let expected = format!("linear:{}:created:{}", event.installation_id, event.session_id);
-                        if receipt != expected {
-                            return Err(format!("seq {seq}: Linear receipt {receipt}, expected {expected}"));
-                        }
-                        let item = ModelItem { id: receipt, trigger: None, resume: false, memory: None };
-                        self.enqueue(&event.receiving_agent_id, item, at_ns, seq)?;
+                let Some(Verdict::LinearSession(v)) = verdict else {
+                    return Err(format!("seq {seq}: a Linear session event got {verdict:?}"));
+                };
+                let agent = &event.receiving_agent_id;
+                if event.kind == proto::LinearSessionEventKind::Stop as i32 {
+                    // A stop removes the session's queued input, in queue order; a claimed or
+                    // running one stays.
+                    let queue = self.queue(agent);
+                    let of_session: Vec<String> = queue
+                        .queued
+                        .iter()
+                        .filter(|i| i.session.as_deref() == Some(event.session_id.as_str()))
+                        .map(|i| i.id.clone())
+                        .collect();
+                    if of_session != v.removed {
+                        return Err(format!(
+                            "seq {seq}: the stop removed {:?}; queued of the session: {of_session:?}",
+                            v.removed
+                        ));
                     }
+                    queue.queued.retain(|i| i.session.as_deref() != Some(event.session_id.as_str()));
+                } else if v.wake.is_some() {
+                    let receipt = v.receipt.clone().ok_or("a Linear wake without a receipt")?;
+                    let expected = if event.kind == proto::LinearSessionEventKind::Prompted as i32 {
+                        format!("linear:{}:prompted:{}", event.installation_id, event.agent_activity_id)
+                    } else {
+                        format!("linear:{}:created:{}", event.installation_id, event.session_id)
+                    };
+                    if receipt != expected {
+                        return Err(format!("seq {seq}: Linear receipt {receipt}, expected {expected}"));
+                    }
+                    let item = ModelItem {
+                        id: receipt,
+                        trigger: None,
+                        resume: false,
+                        memory: None,
+                        session: Some(event.session_id.clone()),
+                    };
+                    self.enqueue(agent, item, at_ns, seq)?;
                 }
             }
             Payload::Send(request) => self.send(seq, request, verdict, sends)?,
@@ -1468,6 +1563,7 @@ impl Model {
                         trigger: None,
                         resume: false,
                         memory: Some(window_day.clone()),
+                        session: None,
                     };
                     self.enqueue(agent, item, at_ns, seq)?;
                 }
@@ -1501,7 +1597,13 @@ impl Model {
             ));
         }
         if journaled.wake.is_some() {
-            let item = ModelItem { id: identity, trigger: Some((surface, ordinal)), resume: false, memory: None };
+            let item = ModelItem {
+                id: identity,
+                trigger: Some((surface, ordinal)),
+                resume: false,
+                memory: None,
+                session: None,
+            };
             self.enqueue(agent, item, at_ns, seq)?;
         }
         Ok(())
@@ -2001,7 +2103,7 @@ fn the_checker_refuses_a_settled_item_that_comes_back() {
     let nothing = Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn: vec![id.clone()] });
     model.apply(2, 2, &event(claim), Some(&nothing), &BTreeMap::new()).expect("a covered item settles");
     // When the fold queues the same item again a minute later.
-    let item = ModelItem { id, trigger: None, resume: false, memory: None };
+    let item = ModelItem { id, trigger: None, resume: false, memory: None, session: None };
     let checked = model.enqueue(AGENTS[0], item, MINUTE_NS, 3);
     // Then the checker fails.
     let error = checked.expect_err("a settled item must not come back");
