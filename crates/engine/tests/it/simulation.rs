@@ -1004,6 +1004,8 @@ impl Sim {
                 Ok(())
             }
             Err(CommandError::Refused(_)) => {
+                // Appended, then refused by the fold: it counts for the rate limit all the same.
+                self.heartbeats_appended.insert(key, now);
                 // Not running (recovered, or only claimed): the runtime lost it.
                 if held.started {
                     self.held.remove(&agent);
@@ -1173,7 +1175,7 @@ impl Sim {
         let now = self.clock.now_ns();
         for (agent, queue) in &self.model.queues {
             let Some(active) = &queue.active else { continue };
-            let abandoned = !self.held.values().any(|h| h.item_id == active.id);
+            let abandoned = !self.held.iter().any(|(a, h)| AGENTS[*a] == agent.as_str() && h.item_id == active.id);
             let ticked_after_lease =
                 self.model.recovery_ticks_at.iter().any(|t| *t >= active.claimed_at_ns + CLAIM_LEASE_NS);
             if abandoned && !active.started && ticked_after_lease && now - active.claimed_at_ns >= DAY_NS {
@@ -1187,10 +1189,10 @@ impl Sim {
             }
         }
         for (agent, item) in std::mem::take(&mut self.model.recovered_now) {
-            let heartbeating = self
-                .held
-                .values()
-                .any(|h| h.item_id == item && h.started && now - h.last_heartbeat_call_ns < HEARTBEAT_SILENCE_NS);
+            let heartbeating =
+                self.held.iter().filter(|(a, _)| AGENTS[**a] == agent.as_str()).any(|(_, h)| {
+                    h.item_id == item && h.started && now - h.last_heartbeat_call_ns < HEARTBEAT_SILENCE_NS
+                });
             if heartbeating {
                 if self.model.strict.recovery {
                     return Err(format!(
