@@ -46,7 +46,7 @@ use anima_engine::{Engine, EngineConfig, Runner, RunnerConfig};
 use anima_projections::memory::MemoryConfig;
 use anima_projections::proto::{self, envelope::Payload};
 use anima_projections::surface::SurfaceId;
-use anima_projections::verdict::{ClaimVerdict, SendVerdict, Verdict};
+use anima_projections::verdict::{ClaimVerdict, RefusalKind, SendVerdict, Verdict};
 use bytes::Bytes;
 use futures::StreamExt;
 use prost::Message;
@@ -882,6 +882,7 @@ impl Sim {
             worker_id: worker.clone(),
             item_id: String::new(),
             memory_md_bytes: 4_000,
+            ..Default::default()
         };
         match self.engine(node).claim(request, "").await {
             Ok(outcome) => {
@@ -1512,6 +1513,22 @@ impl Model {
                     {
                         active.last_alive_ns = at_ns;
                     }
+                    (Some(active), Some(Verdict::Refused(refusal)))
+                        if active.id == request.item_id
+                            && active.worker == request.worker_id
+                            && !active.started
+                            && refusal.kind == RefusalKind::Aborted =>
+                    {
+                        // A heartbeat after a claim's lease ran out finds it dead: queued again.
+                        if at_ns - active.last_alive_ns < CLAIM_LEASE_NS {
+                            return Err(format!(
+                                "seq {seq}: a heartbeat of the live claim {} was refused",
+                                request.item_id
+                            ));
+                        }
+                        let item = queue.active.take().expect("active").item;
+                        queue.queued.push_front(item);
+                    }
                     (_, Some(Verdict::HeartbeatRecorded)) => {
                         return Err(format!(
                             "seq {seq}: a heartbeat was recorded for {} that is not active",
@@ -1522,7 +1539,7 @@ impl Model {
                 }
             }
             Payload::WakeRecovery(request) => {
-                if let Some(Verdict::Recovered { item_id }) = verdict {
+                if let Some(Verdict::Recovered { item_id, .. }) = verdict {
                     let queue = self.queue(&request.agent_id);
                     let Some(active) = queue.active.take().filter(|a| &a.id == item_id) else {
                         return Err(format!("seq {seq}: recovered {item_id}, which was not active"));
@@ -1535,8 +1552,10 @@ impl Model {
                             silent / 1_000_000_000
                         ));
                     }
+                    // Only a started wake may have had side effects to continue after; a claim
+                    // re-queued after its lease goes back as it was.
                     let mut item = active.item;
-                    item.resume = true;
+                    item.resume |= active.started;
                     queue.queued.push_front(item);
                     self.recovered_now.push((request.agent_id.clone(), item_id.clone()));
                     self.exercised.recovered += 1;
@@ -1854,6 +1873,14 @@ impl Model {
                 let item = queue.active.take().expect("active").item;
                 queue.queued.push_front(item);
             }
+            Some(Verdict::Refused(refusal))
+                if ours && refusal.kind == RefusalKind::Aborted && at_ns - active.last_alive_ns >= CLAIM_LEASE_NS =>
+            {
+                // The claim's lease ran out before the start: the item is queued again.
+                let queue = self.queue(&agent);
+                let item = queue.active.take().expect("active").item;
+                queue.queued.push_front(item);
+            }
             Some(Verdict::Refused(refusal)) if ours => {
                 return Err(format!(
                     "seq {seq}: start of {} refused with a fresh plan: {}",
@@ -2082,10 +2109,16 @@ fn event(payload: Payload) -> proto::Envelope {
     }
 }
 
-/// A person's DM to ada, journaled as row 1 and queued as a wake.
+/// A person's DM to ada, journaled as row 1 and queued as a wake (the verdict is a real fold's,
+/// so this input stays valid as verdicts grow fields).
 fn model_with_a_foreign_dm_row() -> Model {
     let mut model = Model { max_concurrent: 1, ..Model::default() };
-    let message = Payload::SlackMessage(proto::SlackMessageObserved {
+    let registration = event(Payload::AgentRegistered(proto::AgentRegistered {
+        agent_id: AGENTS[0].into(),
+        slack_bot_user_id: bot_user_id(0),
+        ..Default::default()
+    }));
+    let message = event(Payload::SlackMessage(proto::SlackMessageObserved {
         receiving_agent_id: AGENTS[0].into(),
         kind: proto::SlackDeliveryKind::Message as i32,
         team_id: TEAM.into(),
@@ -2094,16 +2127,16 @@ fn model_with_a_foreign_dm_row() -> Model {
         user_id: HUMANS[0].into(),
         text: "hello".into(),
         ..Default::default()
-    });
-    let journaled = Verdict::Journaled(anima_projections::verdict::JournalVerdict {
-        agent: AGENTS[0].into(),
-        surface: Some(dm_surface()),
-        ordinal: 1,
-        duplicate_message: false,
-        wake: Some(anima_projections::wake::WakeReason::Dm),
-        route: None,
-    });
-    model.apply(1, 1, &event(message), Some(&journaled), &BTreeMap::new()).expect("a plain DM is consistent");
+    }));
+    let mut fold = anima_projections::State::new();
+    fold.apply(anima_projections::LogPosition { seq: 1, at_ns: 1 }, &registration);
+    fold.apply(anima_projections::LogPosition { seq: 2, at_ns: 2 }, &message);
+    let journaled = fold.verdict(2).cloned();
+    assert!(
+        matches!(&journaled, Some(Verdict::Journaled(j)) if j.wake.is_some() && j.ordinal == 1),
+        "the fold queues a person's DM: {journaled:?}"
+    );
+    model.apply(2, 2, &message, journaled.as_ref(), &BTreeMap::new()).expect("a plain DM is consistent");
     model
 }
 
@@ -2116,7 +2149,7 @@ fn the_checker_refuses_a_send_allowed_over_a_foreign_row_its_cursor_had_not_pass
     let send = Payload::Send(Sim::send_request(0, &dm_surface()));
     let allowed =
         Verdict::Send(SendVerdict::Allowed { surface: dm_surface(), cursor_before: Some(0), cursor_after: Some(1) });
-    let checked = model.apply(2, 2, &event(send), Some(&allowed), &BTreeMap::new());
+    let checked = model.apply(3, 3, &event(send), Some(&allowed), &BTreeMap::new());
     // Then the checker fails, naming the unsafe send.
     let error = checked.expect_err("an unsafe send must fail the check");
     assert!(error.contains("allowed over 1 foreign rows"), "{error}");
@@ -2134,10 +2167,10 @@ fn the_checker_refuses_a_settled_item_that_comes_back() {
         ..Default::default()
     });
     let nothing = Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn: vec![id.clone()] });
-    model.apply(2, 2, &event(claim), Some(&nothing), &BTreeMap::new()).expect("a covered item settles");
+    model.apply(3, 3, &event(claim), Some(&nothing), &BTreeMap::new()).expect("a covered item settles");
     // When the fold queues the same item again a minute later.
     let item = ModelItem { id, trigger: None, resume: false, memory: None, session: None };
-    let checked = model.enqueue(AGENTS[0], item, MINUTE_NS, 3);
+    let checked = model.enqueue(AGENTS[0], item, MINUTE_NS, 4);
     // Then the checker fails.
     let error = checked.expect_err("a settled item must not come back");
     assert!(error.contains("came back"), "{error}");
