@@ -880,7 +880,6 @@ impl Sim {
         let request = proto::WakeClaimRequested {
             agent_id: AGENTS[agent].to_owned(),
             worker_id: worker.clone(),
-            item_id: String::new(),
             memory_md_bytes: 4_000,
             ..Default::default()
         };
