@@ -538,6 +538,8 @@ impl Sim {
         // Like `Instance::start`: serve commands only once caught up with what the log held.
         let last = self.log().last_seq().await.map_err(|e| format!("last seq: {e}"))?;
         runner.projection.wait_applied(last, APPLY_WAIT).await.map_err(|e| format!("node {node} catching up: {e}"))?;
+        // Once `EngineConfig` carries the instance's clock (the claim-lease change), set it to
+        // `self.clock` here: the heartbeat rate limit then reads simulated time.
         let engine = Engine::new(self.log(), runner.projection, EngineConfig::default());
         self.nodes[node] = Some(Node { engine, runner: runner.task, shutdown });
         Ok(())
@@ -1583,7 +1585,7 @@ impl Model {
                 }
             }
             Payload::MemoryPass(request) => {
-                if let Some(Verdict::MemoryPassQueued { agent, pass_id, window_day }) = verdict {
+                if let Some(Verdict::MemoryPassQueued { agent, pass_id, window_day, .. }) = verdict {
                     if self.open_passes() >= self.max_concurrent {
                         return Err(format!(
                             "seq {seq}: pass {pass_id} queued with {} passes open; maxConcurrent is {}",
@@ -1751,7 +1753,7 @@ impl Model {
     ) -> SimResult<()> {
         let agent = request.agent_id.clone();
         let (settled, claimed) = match verdict {
-            Some(Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn })) => {
+            Some(Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn, .. })) => {
                 (settled_without_turn.clone(), None)
             }
             Some(Verdict::Claim(ClaimVerdict::Claimed(c))) => (c.settled_without_turn.clone(), Some(c)),
@@ -1834,7 +1836,7 @@ impl Model {
             .iter()
             .all(|(surface, expected, _)| self.cursors.get(&(agent.clone(), surface.clone())).copied() == *expected);
         match verdict {
-            Some(Verdict::Started { item_id, coalesced }) => {
+            Some(Verdict::Started { item_id, coalesced, .. }) => {
                 if !ours || !fresh {
                     return Err(format!("seq {seq}: start of {item_id} accepted (ours: {ours}, plan fresh: {fresh})"));
                 }
