@@ -64,6 +64,8 @@ const APPLY_WAIT: Duration = Duration::from_secs(20);
 /// How long a reopen waits for sled's directory lock, which its flusher thread releases a moment
 /// after the last handle drops.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
+/// Reopens that found sled's lock still held, for the summary line.
+static LOCK_RETRIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The checkpoint key of the fold's meta entry (applied seq): the state prefix, then table 0.
 const META_ENTRY_KEY: [u8; 2] = [anima_engine::checkpoint::STATE_PREFIX, 0];
@@ -505,6 +507,7 @@ impl Sim {
                     // sled's flusher thread lets go of the directory lock a moment after the
                     // last handle drops; there is no event to wait on until the log gets an
                     // explicit close, so poll the condition with a deadline.
+                    LOCK_RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) => return Err(format!("reopening the data dir: {e}")),
@@ -2089,7 +2092,10 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
         findings.held_counts_own_rows,
         findings.sends_during_memory_pass,
     );
-    eprintln!("simulation exercised: {exercised:?}");
+    eprintln!(
+        "simulation exercised: {exercised:?}; reopens that waited for sled's lock: {} polls",
+        LOCK_RETRIES.load(std::sync::atomic::Ordering::Relaxed)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
