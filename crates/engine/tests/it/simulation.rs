@@ -379,6 +379,8 @@ struct Sim {
     heartbeats_appended: BTreeMap<(usize, String, String), i64>,
     /// Per node: the meta entries of its newest two checkpoints (older, newer).
     checkpoint_metas: BTreeMap<usize, (Option<sled::IVec>, Option<sled::IVec>)>,
+    /// The step was a recovery tick: no running wake may outlive its heartbeat window after it.
+    recovery_ticked: bool,
     findings: Findings,
 }
 
@@ -464,6 +466,7 @@ impl Sim {
             model: Model::default(),
             heartbeats_appended: BTreeMap::new(),
             checkpoint_metas: BTreeMap::new(),
+            recovery_ticked: false,
             findings: Findings::default(),
         };
         sim.start_process().await?;
@@ -839,6 +842,7 @@ impl Sim {
                     .await
                     .map_err(|e| engine_error("recovery tick", e))?;
                 self.model.recovery_ticks_at.push(self.clock.now_ns());
+                self.recovery_ticked = true;
             }
             Step::MemoryTick { node } => {
                 self.engine(*node)
@@ -1178,6 +1182,18 @@ impl Sim {
 
     fn check_liveness(&mut self) -> SimResult<()> {
         let now = self.clock.now_ns();
+        if std::mem::take(&mut self.recovery_ticked) {
+            for (agent, queue) in &self.model.queues {
+                let Some(active) = queue.active.as_ref().filter(|a| a.started) else { continue };
+                if now - active.last_alive_ns >= HEARTBEAT_SILENCE_NS {
+                    return Err(format!(
+                        "{agent}'s running wake {} outlived its heartbeat window: silent {} min, still running after a recovery tick",
+                        active.id,
+                        (now - active.last_alive_ns) / MINUTE_NS
+                    ));
+                }
+            }
+        }
         for (agent, queue) in &self.model.queues {
             let Some(active) = &queue.active else { continue };
             let abandoned = !self.held.iter().any(|(a, h)| AGENTS[*a] == agent.as_str() && h.item_id == active.id);
