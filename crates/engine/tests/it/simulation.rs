@@ -19,18 +19,26 @@
 //! * every queued item settles at most once, and a settled item never comes back;
 //! * `maxConcurrent` is never exceeded and an agent gets at most one pass per window-day;
 //! * both instances record the same verdict for every event, and each engine's queues equal the
-//!   model's after every step.
+//!   model's after every step;
+//! * no running wake outlives its heartbeat window past a recovery tick;
+//! * an instance restarted from its checkpoint equals a rebuild of the raw log, byte for byte.
 //!
 //! At the end of each seed a rebuild from the raw log equals the live state of every instance
 //! byte for byte, and `Replayer::explain` of every send agrees with the verdict the client got.
 //!
-//! Liveness defects already filed in issue 11 (a claim nobody will start stays forever; the
-//! heartbeat rate limit reads the wall clock, so under an injected clock heartbeats are dropped)
-//! are counted and printed; `ANIMA_SIM_STRICT=1` makes them fail.
+//! Known defects (issue 11: a claim nobody starts stays forever, the heartbeat rate limit reads
+//! the wall clock; DESIGN §4.7 the held notice counts only foreign rows, §4.12 a memory pass is
+//! sealed) are counted and printed; `ANIMA_SIM_STRICT` makes them fail (see [`Strict`]).
 //!
 //! `ANIMA_SIM_SEEDS=N` runs N seeds (default [`SEEDS_DEFAULT`]), `ANIMA_SIM_SEED=S` runs one,
-//! `ANIMA_SIM_STEPS=K` sets the steps per seed. A failure prints the seed, the shortest failing
-//! prefix of its steps it found, and the command that reruns it.
+//! `ANIMA_SIM_STEPS=K` sets the steps per seed, `ANIMA_SIM_PARALLEL=P` runs P seeds at once,
+//! `ANIMA_SIM_TORN=1` tears checkpoints (see [`Step::TornCheckpoint`]). A failure prints the
+//! seed, the scenario shrunk to the fewest steps that still fail the same way, and the command
+//! that reruns it.
+//!
+//! The instances are built from their parts (sled, the embedded log, a runner, an engine) rather
+//! than with `Instance::start`, whose recovery loop ticks once at start-up on its own task: an
+//! append the step list does not order. Recovery and memory ticks are steps here instead.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
