@@ -233,6 +233,11 @@ enum Step {
     },
     /// The whole process dies (every instance, the log) and restarts from the data dir.
     CrashAll,
+    /// A person's channel message reaches every agent; the process dies after the first
+    /// receiver's event landed; the connector retries the whole observation (same ids).
+    CrashDuringIngest {
+        channel: usize,
+    },
     /// Opt-in (`ANIMA_SIM_TORN=1`): a node dies and its checkpoint is torn between its items and
     /// its meta entry: the items of the newest checkpoint with the meta entry (applied seq) of
     /// the one before. sled's atomic batch makes this unreachable through the engine.
@@ -326,7 +331,7 @@ fn step(rng: &mut Rng, nodes: usize) -> Step {
         95..=96 => Step::CrashNode { node },
         97 => Step::CrashAll,
         98 => Step::CrashDuringSend { agent },
-        _ => Step::Recover { node },
+        _ => Step::CrashDuringIngest { channel: rng.index(CHANNELS.len()) },
     }
 }
 
@@ -881,6 +886,45 @@ impl Sim {
                 self.start_process().await?;
             }
             Step::CrashDuringSend { agent } => self.crash_during_send(*agent).await?,
+            Step::CrashDuringIngest { channel } => {
+                self.model.exercised.crashes += 1;
+                let ts = self.next_ts();
+                let channel_id = CHANNELS[*channel].to_owned();
+                self.roots.entry(channel_id.clone()).or_default().push(ts.clone());
+                let observation = SlackObservation {
+                    receiving_agent_ids: AGENTS.iter().map(|a| (*a).to_owned()).collect(),
+                    message: proto::SlackMessageObserved {
+                        kind: proto::SlackDeliveryKind::Message as i32,
+                        team_id: TEAM.into(),
+                        channel_id,
+                        ts,
+                        user_id: HUMANS[0].to_owned(),
+                        text: format!("message {} for everyone", self.counter),
+                        user_name: "someone".into(),
+                        ..Default::default()
+                    },
+                    occurred_at_ms: self.clock.now_ns() / 1_000_000,
+                };
+                // Each receiver's event id depends only on the message and the receiver, so the
+                // first receiver alone is exactly the first record of the whole batch.
+                let first = SlackObservation { receiving_agent_ids: vec![AGENTS[0].to_owned()], ..observation.clone() };
+                self.engine(0).ingest_slack(first).await.map_err(|e| engine_error("slack ingest", e))?;
+                self.kill_process().await;
+                self.start_process().await?;
+                let outcomes = self
+                    .engine(self.ingest_node())
+                    .ingest_slack(observation.clone())
+                    .await
+                    .map_err(|e| engine_error("slack ingest retried", e))?;
+                if !outcomes.first().is_some_and(|o| o.duplicate_event)
+                    || outcomes.iter().skip(1).any(|o| o.duplicate_event)
+                {
+                    return Err(format!(
+                        "a retried observation: only the first receiver's event is a duplicate; got {outcomes:?}"
+                    ));
+                }
+                self.deliveries.push(SlackDelivery { observation });
+            }
         }
         Ok(())
     }
@@ -1958,7 +2002,11 @@ async fn run_scenario(scenario: Scenario, strict: Strict) -> Result<(Findings, E
         sim.settle_and_check().await.map_err(|e| (Some(index), e))?;
         if matches!(
             step,
-            Step::CrashNode { .. } | Step::CrashAll | Step::CrashDuringSend { .. } | Step::TornCheckpoint { .. }
+            Step::CrashNode { .. }
+                | Step::CrashAll
+                | Step::CrashDuringSend { .. }
+                | Step::CrashDuringIngest { .. }
+                | Step::TornCheckpoint { .. }
         ) {
             // A restarted instance resumed from its checkpoint: it must equal a rebuild.
             sim.compare_with_rebuild().await.map_err(|e| (Some(index), e))?;
