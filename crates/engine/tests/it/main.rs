@@ -8,3 +8,4 @@ mod memory;
 mod recovery;
 mod replay;
 mod runner;
+mod simulation;
