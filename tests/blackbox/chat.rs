@@ -87,7 +87,7 @@ async fn scenario(backend: Backend) {
     assert!(matches!(resend.verdict, Some(api::send_response::Verdict::Allowed(_))), "{resend:?}");
 
     // The post is confirmed with the platform's message id; `ts` is for Slack only.
-    let confirm = api::ConfirmRequest {
+    let confirm = api::SendsConfirmRequest {
         agent_id: "ada".into(),
         target: Some(chat.clone()),
         kind: api::SendKind::Message as i32,
@@ -98,7 +98,7 @@ async fn scenario(backend: Backend) {
     let confirmed = sends.confirm(confirm.clone()).await.expect("confirm").into_inner();
     assert_eq!(confirmed.ordinal, 4);
     let error = sends
-        .confirm(api::ConfirmRequest { ts: "1700000001.000100".into(), ..confirm })
+        .confirm(api::SendsConfirmRequest { ts: "1700000001.000100".into(), ..confirm })
         .await
         .expect_err("ts with a chat target");
     assert_eq!(error.code(), Code::InvalidArgument);
@@ -132,15 +132,11 @@ async fn scenario(backend: Backend) {
     );
     let group_chat = api::ChatTarget { tenant_id: "t1".into(), chat_id: "g1".into(), thread_id: String::new() };
     subscriptions
-        .mute(api::SubscriptionRequest {
-            agent_id: "ada".into(),
-            chat_target: Some(group_chat.clone()),
-            ..Default::default()
-        })
+        .mute(api::MuteRequest { agent_id: "ada".into(), chat_target: Some(group_chat.clone()), ..Default::default() })
         .await
         .expect("mute");
     let list =
-        subscriptions.list(api::ListSubscriptionsRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+        subscriptions.list(api::SubscriptionsListRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
     let g1 = list.subscriptions.iter().find(|s| s.surface == "chat:t1:g1").expect("g1 listed");
     assert!(g1.member && g1.muted && g1.chat_target.as_ref() == Some(&group_chat) && g1.target.is_none(), "{g1:?}");
     let muted = ingest
@@ -151,7 +147,7 @@ async fn scenario(backend: Backend) {
     assert_eq!(muted.outcomes[0].wake_reason, "", "a muted chat does not wake");
     let p2p = api::ChatTarget { tenant_id: "t1".into(), chat_id: "p1".into(), thread_id: String::new() };
     let error = subscriptions
-        .mute(api::SubscriptionRequest { agent_id: "ada".into(), chat_target: Some(p2p), ..Default::default() })
+        .mute(api::MuteRequest { agent_id: "ada".into(), chat_target: Some(p2p), ..Default::default() })
         .await
         .expect_err("a p2p chat cannot be muted");
     assert_eq!(error.code(), Code::InvalidArgument);

@@ -101,7 +101,7 @@ async fn scenario(backend: Backend) {
 
     // The agent's own confirmed post does not hold its next send.
     let confirm = sends
-        .confirm(api::ConfirmRequest {
+        .confirm(api::SendsConfirmRequest {
             agent_id: "ada".into(),
             target: Some(dm.clone()),
             kind: api::SendKind::Message as i32,

@@ -58,7 +58,7 @@ async fn scenario(backend: Backend) {
     assert!(matches!(resend.verdict, Some(api::send_response::Verdict::Allowed(_))));
     // The post is made and confirmed: the agent now follows the thread.
     sends
-        .confirm(api::ConfirmRequest {
+        .confirm(api::SendsConfirmRequest {
             agent_id: "ada".into(),
             target: Some(thread.clone()),
             kind: api::SendKind::Message as i32,
@@ -115,11 +115,11 @@ async fn scenario(backend: Backend) {
     );
     let channel = api::SlackTarget { team_id: "T1".into(), channel_id: "C1".into(), thread_ts: String::new() };
     subscriptions
-        .mute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(channel.clone()), ..Default::default() })
+        .mute(api::MuteRequest { agent_id: "ada".into(), target: Some(channel.clone()), ..Default::default() })
         .await
         .expect("mute");
     let list =
-        subscriptions.list(api::ListSubscriptionsRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+        subscriptions.list(api::SubscriptionsListRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
     let c1 = list.subscriptions.iter().find(|s| s.surface == "slack:T1:C1").expect("C1 listed");
     assert!(c1.member && c1.muted);
     assert!(list.subscriptions.iter().any(|s| s.surface == "slack:T1:C1:thread:1700000001.000100" && s.following));
@@ -132,7 +132,7 @@ async fn scenario(backend: Backend) {
     let other =
         api::SlackTarget { team_id: "T1".into(), channel_id: "C2".into(), thread_ts: "1700000009.000100".into() };
     let error = subscriptions
-        .unmute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(other), ..Default::default() })
+        .unmute(api::UnmuteRequest { agent_id: "ada".into(), target: Some(other), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!(error.code(), Code::FailedPrecondition);
@@ -142,7 +142,7 @@ async fn scenario(backend: Backend) {
         bearer(BOB_RUNTIME_TOKEN),
     );
     let error = bob
-        .mute(api::SubscriptionRequest { agent_id: "ada".into(), target: Some(channel), ..Default::default() })
+        .mute(api::MuteRequest { agent_id: "ada".into(), target: Some(channel), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!(error.code(), Code::PermissionDenied);

@@ -32,6 +32,9 @@ pub enum Backend {
 pub struct InstanceConfig {
     /// Holds the embedded log (if used) and the checkpoints. sled locks it: one process at a time.
     pub data_dir: PathBuf,
+    /// sled's page cache for the data dir, bytes (part of the engine's memory budget; sled's own
+    /// default of 1 GiB is never left in force).
+    pub sled_cache_bytes: u64,
     pub backend: Backend,
     pub runner: RunnerConfig,
     pub engine: EngineConfig,
@@ -55,6 +58,7 @@ impl InstanceConfig {
     pub fn new(data_dir: impl Into<PathBuf>, backend: Backend) -> Self {
         InstanceConfig {
             data_dir: data_dir.into(),
+            sled_cache_bytes: crate::data_dir::SLED_CACHE_BYTES_DEFAULT,
             backend,
             runner: RunnerConfig::default(),
             engine: EngineConfig::default(),
@@ -73,6 +77,9 @@ impl InstanceConfig {
 pub enum InstanceError {
     #[error("opening data dir {path}: {reason} (is another anima-wake using it?)")]
     DataDir { path: String, reason: String },
+    /// Closing: the data dir was not let go (a handle still held somewhere).
+    #[error(transparent)]
+    Close(#[from] crate::data_dir::DataDirError),
     #[error(transparent)]
     Log(#[from] crate::log::LogError),
     #[error(transparent)]
@@ -84,6 +91,10 @@ pub enum InstanceError {
 /// A started instance. Cancel `shutdown` and await `runner` to stop it with a last checkpoint.
 pub struct Instance {
     pub engine: Engine,
+    /// The data dir this instance holds (sled's lock) until it is closed.
+    pub data_dir: PathBuf,
+    /// The runner's checkpoint store (for tools and fault injection).
+    pub checkpoints: CheckpointStore,
     pub backend_name: &'static str,
     pub shutdown: CancellationToken,
     pub runner: tokio::task::JoinHandle<Result<(), RunnerError>>,
@@ -99,8 +110,8 @@ impl Instance {
     pub async fn start(config: InstanceConfig) -> Result<Instance, InstanceError> {
         let data_dir_error =
             |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
-        std::fs::create_dir_all(&config.data_dir).map_err(|e| data_dir_error(e.to_string()))?;
-        let db = sled::Config::new().path(&config.data_dir).open().map_err(|e| data_dir_error(e.to_string()))?;
+        let db = crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true)
+            .map_err(|e| data_dir_error(e.to_string()))?;
         let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
             Backend::Embedded(embedded) => {
                 (Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?), "checkpoint-embedded".into(), "embedded")
@@ -118,7 +129,7 @@ impl Instance {
         let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
         let Runner { projection, task, .. } =
-            Runner::start(log.clone(), checkpoints, config.runner, shutdown.clone()).await?;
+            Runner::start(log.clone(), checkpoints.clone(), config.runner, shutdown.clone()).await?;
         let last = log.last_seq().await?;
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
@@ -142,19 +153,49 @@ impl Instance {
                 shutdown.clone(),
             ))
         });
-        Ok(Instance { engine, backend_name, shutdown, runner: task, recovery, scheduler })
+        Ok(Instance {
+            engine,
+            data_dir: config.data_dir,
+            checkpoints,
+            backend_name,
+            shutdown,
+            runner: task,
+            recovery,
+            scheduler,
+        })
     }
 
-    /// Stops the runner, writing a last checkpoint.
+    /// Stops the runner, writing a last checkpoint. The data dir stays locked until every clone
+    /// of the engine is gone; [`Instance::close`] waits for that.
     pub async fn stop(self) -> Result<(), InstanceError> {
-        self.shutdown.cancel();
-        let _ = self.recovery.await;
-        if let Some(scheduler) = self.scheduler {
+        self.stop_tasks().await.map(drop)
+    }
+
+    /// Stops like [`Instance::stop`], then waits (at most `timeout`) until sled has let go of the
+    /// data dir, so it can be opened again at once — by a restart, the replay tool or a test. Every
+    /// clone of `engine` must be dropped before, or this reports the directory as not released.
+    pub async fn close(self, timeout: Duration) -> Result<(), InstanceError> {
+        let data_dir = self.stop_tasks().await?;
+        tokio::task::spawn_blocking(move || crate::data_dir::wait_until_released(&data_dir, timeout))
+            .await
+            .map_err(|e| InstanceError::CatchUp(format!("close task: {e}")))??;
+        Ok(())
+    }
+
+    /// Ends the loops and the runner (a last checkpoint) and drops this instance's engine.
+    async fn stop_tasks(self) -> Result<PathBuf, InstanceError> {
+        let Instance { engine, data_dir, checkpoints, shutdown, runner, recovery, scheduler, .. } = self;
+        drop(checkpoints);
+        shutdown.cancel();
+        let _ = recovery.await;
+        if let Some(scheduler) = scheduler {
             let _ = scheduler.await;
         }
-        match self.runner.await {
-            Ok(result) => Ok(result?),
-            Err(e) => Err(InstanceError::CatchUp(format!("runner task: {e}"))),
+        drop(engine);
+        match runner.await {
+            Ok(result) => result?,
+            Err(e) => return Err(InstanceError::CatchUp(format!("runner task: {e}"))),
         }
+        Ok(data_dir)
     }
 }

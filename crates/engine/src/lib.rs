@@ -2,9 +2,11 @@
 //! projection runner with sled checkpoints, and the command handlers that append a request and
 //! wait for the fold's verdict.
 
+pub mod analytics;
 pub mod checkpoint;
 pub mod clock;
 pub mod command;
+pub mod data_dir;
 pub mod digest;
 pub mod instance;
 pub mod log;

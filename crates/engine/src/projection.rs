@@ -18,6 +18,7 @@ use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::analytics::MaintainedAnalytics;
 use crate::checkpoint::CheckpointStore;
 use crate::log::{EventLog, LogError, StoredRecord};
 
@@ -71,9 +72,13 @@ impl BodyCache {
 /// The state shared by the runner and the command handlers.
 pub struct Projection {
     state: Mutex<State>,
+    /// Analytics counters, updated with the fold (locked after `state` when both are held).
+    analytics: Mutex<MaintainedAnalytics>,
     bodies: Mutex<BodyCache>,
     /// The newest log sequence the runner has handed to the fold.
     applied: watch::Sender<u64>,
+    /// Why the runner stopped, once it has: nobody waits for a fold that will not move again.
+    stopped: watch::Sender<Option<Arc<str>>>,
     log: Arc<dyn EventLog>,
 }
 
@@ -84,6 +89,10 @@ pub enum WaitError {
     /// with the same request id.
     #[error("the fold did not reach seq {seq} within {waited:?}")]
     Timeout { seq: u64, waited: Duration },
+    /// The runner stopped (shut down, or failed with `cause`): this instance will not decide
+    /// again. Retry against another instance, or after the restart.
+    #[error("the projection runner stopped: {cause}")]
+    Stopped { cause: Arc<str> },
 }
 
 impl Projection {
@@ -91,6 +100,11 @@ impl Projection {
     /// across an await.
     pub fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The maintained analytics counters. Keep the guard short.
+    pub fn analytics(&self) -> MutexGuard<'_, MaintainedAnalytics> {
+        self.analytics.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn applied_seq(&self) -> u64 {
@@ -102,14 +116,36 @@ impl Projection {
         self.applied.subscribe()
     }
 
-    /// Waits until the fold has applied `seq`.
+    /// Waits until the fold has applied `seq`. Answers at once, with the cause, when the runner
+    /// has stopped and `seq` is beyond what it applied.
     pub async fn wait_applied(&self, seq: u64, timeout: Duration) -> Result<(), WaitError> {
-        let mut rx = self.applied.subscribe();
-        let waited = tokio::time::timeout(timeout, rx.wait_for(|applied| *applied >= seq)).await;
-        match waited {
-            Ok(Ok(_)) => Ok(()),
-            _ => Err(WaitError::Timeout { seq, waited: timeout }),
+        let mut applied = self.applied.subscribe();
+        let mut stopped = self.stopped.subscribe();
+        let reached = async {
+            tokio::select! {
+                biased;
+                result = applied.wait_for(|applied| *applied >= seq) => result.is_ok(),
+                _ = stopped.wait_for(Option::is_some) => false,
+            }
+        };
+        match tokio::time::timeout(timeout, reached).await {
+            Ok(true) => Ok(()),
+            Ok(false) if self.applied_seq() >= seq => Ok(()),
+            Ok(false) => Err(self
+                .stop_cause()
+                .map_or(WaitError::Timeout { seq, waited: timeout }, |cause| WaitError::Stopped { cause })),
+            Err(_) => Err(WaitError::Timeout { seq, waited: timeout }),
         }
+    }
+
+    /// Why the runner stopped, once it has (`None` while it runs).
+    pub fn stop_cause(&self) -> Option<Arc<str>> {
+        self.stopped.borrow().clone()
+    }
+
+    /// A receiver that changes once, when the runner stops (its value is the cause).
+    pub fn subscribe_stopped(&self) -> watch::Receiver<Option<Arc<str>>> {
+        self.stopped.subscribe()
     }
 
     /// The bodies of rows at `seqs`: from the cache, else read from the log concurrently.
@@ -169,16 +205,31 @@ impl Runner {
     ) -> Result<Runner, RunnerError> {
         let stream_identity = log.identity();
         let state = checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
         let (applied, _) = watch::channel(start_seq);
         let projection = Arc::new(Projection {
             state: Mutex::new(state),
+            analytics: Mutex::new(analytics),
             bodies: Mutex::new(BodyCache { bytes_max: config.body_cache_bytes_max, ..BodyCache::default() }),
             applied,
+            stopped: watch::channel(None).0,
             log: log.clone(),
         });
-        let task = tokio::spawn(run(log, projection.clone(), checkpoints, config, shutdown, stream_identity));
+        let supervised = projection.clone();
+        let task = tokio::spawn(async move {
+            let result = run(log, supervised.clone(), checkpoints, config, shutdown, stream_identity).await;
+            let cause: Arc<str> = match &result {
+                Ok(()) => "the instance is shutting down".into(),
+                Err(e) => {
+                    tracing::error!(error = %e, "projection runner failed; this instance stops deciding");
+                    e.to_string().into()
+                }
+            };
+            supervised.stopped.send_replace(Some(cause));
+            result
+        });
         Ok(Runner { projection, restored_seq: start_seq, task })
     }
 }
@@ -195,6 +246,10 @@ async fn run(
     let mut since_checkpoint = 0u64;
     let mut last_checkpoint = Instant::now();
     let mut tick = tokio::time::interval(config.checkpoint_interval);
+    // At most one checkpoint write in flight, beside the fold: a sled flush never holds up the
+    // requests waiting for their verdicts. Writes stay in order because the next one starts only
+    // after the previous one finished.
+    let mut writing: Option<tokio::task::JoinHandle<Result<(), RunnerError>>> = None;
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -218,13 +273,24 @@ async fn run(
         }
         let due = since_checkpoint >= config.checkpoint_every_events
             || (since_checkpoint > 0 && last_checkpoint.elapsed() >= config.checkpoint_interval);
-        if due {
-            checkpoint(&projection, &checkpoints, &stream_identity).await?;
+        if let Some(done) = writing.as_mut().and_then(|w| w.now_or_never()) {
+            writing = None;
+            done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
+        }
+        if due && writing.is_none() {
+            let changes = drain_changes(&projection);
+            let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.clone());
+            writing =
+                Some(tokio::spawn(async move { write_checkpoint(&checkpoints, &stream_identity, changes).await }));
             since_checkpoint = 0;
             last_checkpoint = Instant::now();
         }
     }
-    checkpoint(&projection, &checkpoints, &stream_identity).await?;
+    if let Some(writing) = writing {
+        writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
+    }
+    let changes = drain_changes(&projection);
+    write_checkpoint(&checkpoints, &stream_identity, changes).await?;
     tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
 }
@@ -233,6 +299,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
     let last = {
         let mut state = projection.state();
+        let mut analytics = projection.analytics();
         for record in batch {
             let at = LogPosition { seq: record.seq, at_ns: record.timestamp_ns };
             match proto::Envelope::decode(record.payload.as_ref()) {
@@ -244,6 +311,8 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 }
                 Err(_) => state.apply_bytes(at, record.payload.as_ref()),
             }
+            let verdict = state.verdict(record.seq);
+            analytics.observe(record.seq, record.timestamp_ns, &record.subject, &record.payload, verdict);
         }
         batch.last().map(|r| r.seq)
     };
@@ -258,11 +327,21 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     }
 }
 
-async fn checkpoint(
-    projection: &Projection,
+/// Changed checkpoint entries: (state, analytics counters).
+type Changes = (Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<(Vec<u8>, Option<Vec<u8>>)>);
+
+/// Drains both change sets at one point of the fold (only the runner applies, and it is here),
+/// so the checkpoint's counters cover exactly the events its state has applied.
+fn drain_changes(projection: &Projection) -> Changes {
+    let state = projection.state().drain_changes();
+    let analytics = projection.analytics().drain_changes();
+    (state, analytics)
+}
+
+async fn write_checkpoint(
     checkpoints: &CheckpointStore,
     stream_identity: &str,
+    (changes, analytics): Changes,
 ) -> Result<(), RunnerError> {
-    let changes = projection.state().drain_changes();
-    checkpoints.write(stream_identity, changes).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
+    checkpoints.write(stream_identity, changes, analytics).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }

@@ -879,13 +879,9 @@ fn open_data_dir_db(path: &Path) -> Result<sled::Db, ReplayError> {
     if !path.join("db").exists() {
         return Err(ReplayError::Source(format!("{} holds no anima-wake data (no sled database)", path.display())));
     }
-    sled::Config::new().path(path).open().map_err(|e| {
-        let message = e.to_string();
-        if message.contains("could not acquire lock") {
-            ReplayError::Locked { path: path.display().to_string() }
-        } else {
-            ReplayError::Source(format!("opening data dir {}: {message}", path.display()))
-        }
+    crate::data_dir::open(path, crate::data_dir::SLED_CACHE_BYTES_DEFAULT, false).map_err(|e| match e {
+        crate::data_dir::DataDirError::Locked { path } => ReplayError::Locked { path },
+        other => ReplayError::Source(other.to_string()),
     })
 }
 

@@ -1,5 +1,5 @@
 //! `anima.v1.Memory`: the scheduler's dry run and one agent's memory-pass status, read from this
-//! instance's projection (DESIGN §4.10).
+//! instance's projection ("Dreaming").
 
 use anima_engine::clock::{Clock, SystemClock};
 use anima_engine::Engine;

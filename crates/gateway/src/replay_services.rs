@@ -120,9 +120,9 @@ pub fn outcome(outcome: &RedactedOutcome) -> api::AnalyticsOutcome {
     }
 }
 
-pub fn replay_event(event: ReplayedEvent) -> api::ReplayEvent {
+pub fn replay_event(event: ReplayedEvent) -> api::ReplayReadResponse {
     let decoded = events::Envelope::decode(event.record.payload.as_ref()).ok();
-    api::ReplayEvent {
+    api::ReplayReadResponse {
         seq: event.record.seq,
         subject: event.record.subject,
         log_time_ns: event.record.timestamp_ns,
@@ -134,9 +134,9 @@ pub fn replay_event(event: ReplayedEvent) -> api::ReplayEvent {
     }
 }
 
-pub fn analytics_event(event: RedactedEvent) -> api::AnalyticsEvent {
+pub fn analytics_event(event: RedactedEvent) -> api::AnalyticsTapResponse {
     use api::analytics_field::Value as Field;
-    api::AnalyticsEvent {
+    api::AnalyticsTapResponse {
         seq: event.seq,
         subject: event.subject,
         log_time_ns: event.log_time_ns,
@@ -406,14 +406,17 @@ pub async fn state_at(
     Ok(state_at_response(&rebuilt, agent.as_deref(), surface.as_ref()))
 }
 
-/// `Counts` against a replayer.
+/// `Counts` against a replayer, answered from the maintained counters of `projection` when they
+/// cover the range exactly (O(buckets)), else by refolding it.
 pub async fn counts(
     replayer: &Replayer,
+    projection: Option<&anima_engine::Projection>,
     request: api::AnalyticsCountsRequest,
 ) -> Result<api::AnalyticsCountsResponse, Status> {
     let range = range(request.range)?;
     let bucket = bucket(request.bucket)?;
-    let (from, to, counts) = replayer.counts(range, bucket).await.map_err(replay_status)?;
+    let (from, to, counts) =
+        anima_engine::analytics::answer_counts(replayer, projection, range, bucket).await.map_err(replay_status)?;
     Ok(counts_response(counts, from, to))
 }
 
@@ -438,7 +441,7 @@ impl ReplayServices {
 
 #[tonic::async_trait]
 impl api::replay_server::Replay for ReplayServices {
-    type ReadStream = ResponseStream<api::ReplayEvent>;
+    type ReadStream = ResponseStream<api::ReplayReadResponse>;
 
     async fn read(&self, request: Request<api::ReplayReadRequest>) -> Result<Response<Self::ReadStream>, Status> {
         let query = read_query(request.into_inner())?;
@@ -475,13 +478,13 @@ impl api::replay_server::Replay for ReplayServices {
 
 #[tonic::async_trait]
 impl api::analytics_server::Analytics for ReplayServices {
-    type TapStream = ResponseStream<api::AnalyticsEvent>;
+    type TapStream = ResponseStream<api::AnalyticsTapResponse>;
 
     async fn counts(
         &self,
         request: Request<api::AnalyticsCountsRequest>,
     ) -> Result<Response<api::AnalyticsCountsResponse>, Status> {
-        Ok(Response::new(counts(&self.replayer, request.into_inner()).await?))
+        Ok(Response::new(counts(&self.replayer, Some(self.engine.projection()), request.into_inner()).await?))
     }
 
     async fn tap(&self, request: Request<api::AnalyticsTapRequest>) -> Result<Response<Self::TapStream>, Status> {
@@ -545,7 +548,7 @@ mod tests {
         redacted.outcome = Some(RedactedOutcome { kind: "journaled".into(), ..Default::default() });
         let message = analytics_event(redacted).encode_to_vec();
         let haystack = String::from_utf8_lossy(&message);
-        assert!(!haystack.contains("MARKER"), "content leaked into an AnalyticsEvent");
+        assert!(!haystack.contains("MARKER"), "content leaked into an AnalyticsTapResponse");
         assert!(haystack.contains("ada") && haystack.contains("D1"), "ids are kept");
     }
 

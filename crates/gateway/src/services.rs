@@ -163,7 +163,7 @@ impl Services {
             }
             None => return Err(Status::invalid_argument("observation: must be set")),
         };
-        Ok(api::AppendResponse { correlation_id: request.correlation_id, outcomes, error: None })
+        Ok(api::AppendResponse { correlation_id: request.correlation_id, outcomes })
     }
 }
 
@@ -179,11 +179,11 @@ impl api::ingest_server::Ingest for Services {
         Ok(Response::new(self.append_one(&principal, request.into_inner()).await?))
     }
 
-    type AppendStreamStream = ResponseStream<api::AppendResponse>;
+    type AppendStreamStream = ResponseStream<api::AppendStreamResponse>;
 
     async fn append_stream(
         &self,
-        request: Request<Streaming<api::AppendRequest>>,
+        request: Request<Streaming<api::AppendStreamRequest>>,
     ) -> Result<Response<Self::AppendStreamStream>, Status> {
         let principal = Principal::of(&request)?;
         let services = self.clone();
@@ -193,22 +193,19 @@ impl api::ingest_server::Ingest for Services {
                 let services = services.clone();
                 let principal = principal.clone();
                 async move {
-                    let request = item?;
+                    let request = item?.append.unwrap_or_default();
                     let correlation_id = request.correlation_id.clone();
-                    Ok(match services.append_one(&principal, request).await {
-                        Ok(response) => response,
+                    let result = match services.append_one(&principal, request).await {
+                        Ok(response) => api::append_stream_response::Result::Appended(response),
                         Err(status) => {
                             services.metrics.refused("/anima.v1.Ingest/AppendStream", status.code());
-                            api::AppendResponse {
-                                correlation_id,
-                                outcomes: Vec::new(),
-                                error: Some(api::ErrorDetail {
-                                    code: status.code() as i32,
-                                    message: status.message().to_owned(),
-                                }),
-                            }
+                            api::append_stream_response::Result::Error(api::ErrorDetail {
+                                code: status.code() as i32,
+                                message: status.message().to_owned(),
+                            })
                         }
-                    })
+                    };
+                    Ok(api::AppendStreamResponse { correlation_id, result: Some(result) })
                 }
             })
             .buffered(APPEND_STREAM_IN_FLIGHT_MAX);
@@ -217,12 +214,12 @@ impl api::ingest_server::Ingest for Services {
 }
 
 /// Whether the agent has a claimable wake, and how many are queued, as of the fold's state.
-fn wake_signal(engine: &Engine, agent: &str) -> api::WakeSignal {
+fn wake_signal(engine: &Engine, agent: &str) -> api::WatchResponse {
     let state = engine.projection().state();
     let queue = state.queue(agent);
     let queued = queue.map_or(0, |q| q.queued().len());
     let claimable = queue.is_some_and(|q| q.active.is_none() && !q.queued().is_empty());
-    api::WakeSignal {
+    api::WatchResponse {
         agent_id: agent.to_owned(),
         queued: u32::try_from(queued).unwrap_or(u32::MAX),
         claimable,
@@ -232,7 +229,7 @@ fn wake_signal(engine: &Engine, agent: &str) -> api::WakeSignal {
 
 #[tonic::async_trait]
 impl api::wakes_server::Wakes for Services {
-    type WatchStream = ResponseStream<api::WakeSignal>;
+    type WatchStream = ResponseStream<api::WatchResponse>;
 
     async fn watch(&self, request: Request<api::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
         let principal = Principal::of(&request)?;
@@ -386,7 +383,10 @@ impl api::sends_server::Sends for Services {
         Ok(Response::new(api::SendResponse { decided_at_seq: decision.seq, verdict: Some(verdict) }))
     }
 
-    async fn confirm(&self, request: Request<api::ConfirmRequest>) -> Result<Response<api::ConfirmResponse>, Status> {
+    async fn confirm(
+        &self,
+        request: Request<api::SendsConfirmRequest>,
+    ) -> Result<Response<api::SendsConfirmResponse>, Status> {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
@@ -416,7 +416,7 @@ impl api::sends_server::Sends for Services {
             files: request.files,
         };
         let outcome = self.engine.confirm(confirmation).await.map_err(status)?;
-        Ok(Response::new(api::ConfirmResponse {
+        Ok(Response::new(api::SendsConfirmResponse {
             seq: outcome.seq,
             duplicate_event: outcome.duplicate_event,
             ordinal: if outcome.journal.duplicate_message { 0 } else { outcome.journal.ordinal },
@@ -481,24 +481,28 @@ where
 
 #[tonic::async_trait]
 impl api::subscriptions_server::Subscriptions for Services {
-    async fn mute(
-        &self,
-        request: Request<api::SubscriptionRequest>,
-    ) -> Result<Response<api::SubscriptionResponse>, Status> {
-        self.change_subscription(request, true).await
+    async fn mute(&self, request: Request<api::MuteRequest>) -> Result<Response<api::MuteResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let api::MuteRequest { agent_id, target, request_id, chat_target } = request.into_inner();
+        let seq = self
+            .change_subscription(&principal, SubscriptionChange { agent_id, target, chat_target, request_id }, true)
+            .await?;
+        Ok(Response::new(api::MuteResponse { seq }))
     }
 
-    async fn unmute(
-        &self,
-        request: Request<api::SubscriptionRequest>,
-    ) -> Result<Response<api::SubscriptionResponse>, Status> {
-        self.change_subscription(request, false).await
+    async fn unmute(&self, request: Request<api::UnmuteRequest>) -> Result<Response<api::UnmuteResponse>, Status> {
+        let principal = Principal::of(&request)?;
+        let api::UnmuteRequest { agent_id, target, request_id, chat_target } = request.into_inner();
+        let seq = self
+            .change_subscription(&principal, SubscriptionChange { agent_id, target, chat_target, request_id }, false)
+            .await?;
+        Ok(Response::new(api::UnmuteResponse { seq }))
     }
 
     async fn list(
         &self,
-        request: Request<api::ListSubscriptionsRequest>,
-    ) -> Result<Response<api::ListSubscriptionsResponse>, Status> {
+        request: Request<api::SubscriptionsListRequest>,
+    ) -> Result<Response<api::SubscriptionsListResponse>, Status> {
         let principal = Principal::of(&request)?;
         let agent = request.into_inner().agent_id;
         principal.require_agent(&agent)?;
@@ -531,18 +535,26 @@ impl api::subscriptions_server::Subscriptions for Services {
                 }
             })
             .collect();
-        Ok(Response::new(api::ListSubscriptionsResponse { subscriptions, as_of_seq: state.meta.applied_seq }))
+        Ok(Response::new(api::SubscriptionsListResponse { subscriptions, as_of_seq: state.meta.applied_seq }))
     }
 }
 
+/// The fields `MuteRequest` and `UnmuteRequest` share.
+struct SubscriptionChange {
+    agent_id: String,
+    target: Option<api::SlackTarget>,
+    chat_target: Option<api::ChatTarget>,
+    request_id: String,
+}
+
 impl Services {
+    /// Mutes or unmutes; returns where the change sits in the log.
     async fn change_subscription(
         &self,
-        request: Request<api::SubscriptionRequest>,
+        principal: &Principal,
+        request: SubscriptionChange,
         mute: bool,
-    ) -> Result<Response<api::SubscriptionResponse>, Status> {
-        let principal = Principal::of(&request)?;
-        let request = request.into_inner();
+    ) -> Result<u64, Status> {
         principal.require_agent(&request.agent_id)?;
         let target = match (request.target, request.chat_target) {
             (Some(slack), None) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Slack(slack)) }),
@@ -557,6 +569,6 @@ impl Services {
             .change_subscription(&request.agent_id, target, mute, &request.request_id)
             .await
             .map_err(status)?;
-        Ok(Response::new(api::SubscriptionResponse { seq }))
+        Ok(seq)
     }
 }

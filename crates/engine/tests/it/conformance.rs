@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use anima_engine::data_dir;
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendOutcome, AppendRecord, EventLog, LogError, StoredRecord, SubjectFilter};
@@ -58,7 +59,7 @@ impl Fixture {
         let Backend::Embedded { dir, config } = &self.backend else {
             unreachable!("embedded fixture");
         };
-        let db = sled::open(dir.path()).expect("open sled");
+        let db = data_dir::open(dir.path(), 16 * 1024 * 1024, true).expect("open sled");
         Arc::new(EmbeddedLog::open(db, config.clone()).expect("open embedded log"))
     }
 
@@ -77,7 +78,16 @@ impl Fixture {
         assert_eq!(Arc::strong_count(&log), 1, "the test still holds the log somewhere");
         drop(log);
         match &mut self.backend {
-            Backend::Embedded { .. } => {
+            Backend::Embedded { dir, .. } => {
+                // Closed means closed: wait until sled has let go of the directory, which its
+                // background threads do a moment after the last handle drops.
+                let path = dir.path().to_path_buf();
+                tokio::task::spawn_blocking(move || {
+                    data_dir::wait_until_released(&path, data_dir::RELEASE_WAIT_DEFAULT)
+                })
+                .await
+                .expect("release task")
+                .expect("the embedded log let go of its data dir");
                 self.log = Some(self.open_embedded());
             }
             Backend::JetStream { server, config } => {

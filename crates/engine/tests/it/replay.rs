@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anima_engine::checkpoint::STATE_PREFIX;
+use anima_engine::data_dir;
 use anima_engine::instance::{Backend, Instance, InstanceConfig};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::JetStreamConfig;
@@ -325,6 +326,36 @@ async fn counts_give_the_hold_rate_wakes_and_placements_without_content() {
     assert_eq!((sends.total.events, sends.total.sends_held), (1, 1));
 }
 
+/// `Analytics.Counts` of a live instance answers from its maintained counters exactly what a
+/// refold of the log answers, also after a restart restored the counters from the checkpoint;
+/// a part of the log the counters cannot cut exactly is refolded.
+#[tokio::test]
+async fn maintained_counts_equal_a_refold_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let instance = start_instance(dir.path()).await;
+    incident(instance.engine.log().as_ref()).await;
+    let replayer = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
+    let everything = LogRange::default();
+    let refolded = replayer.counts(everything, TimeBucket::Day).await.unwrap();
+    let projection = Some(instance.engine.projection().as_ref());
+    let maintained = anima_engine::analytics::answer_counts(&replayer, projection, everything, TimeBucket::Day).await;
+    assert_eq!(maintained.unwrap(), refolded);
+    assert!(instance.engine.projection().analytics().buckets_len() > 0, "the runner counted");
+    let part = LogRange { from: Some(LogPoint::Seq(6)), to: Some(LogPoint::Seq(6)) };
+    let (_, _, sends) =
+        anima_engine::analytics::answer_counts(&replayer, projection, part, TimeBucket::Minute).await.unwrap();
+    assert_eq!((sends.total.events, sends.total.sends_held), (1, 1));
+    drop(replayer);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+
+    let instance = start_instance(dir.path()).await;
+    let replayer = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
+    let restored = instance.engine.projection().analytics().counts(1, 9, TimeBucket::Day, 9);
+    assert_eq!(restored, Some(refolded.2), "the counters came back from the checkpoint");
+    drop(replayer);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+}
+
 async fn start_instance(dir: &std::path::Path) -> Instance {
     Instance::start(InstanceConfig::new(dir, Backend::Embedded(EmbeddedConfig::default()))).await.unwrap()
 }
@@ -358,9 +389,9 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     drop(tap);
     instance.engine.projection().wait_applied(10, WAIT).await.unwrap();
     let live_after = instance.engine.projection().state().canonical_bytes();
-    instance.stop().await.unwrap();
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
 
-    let source = open_after_stop(dir.path()).await;
+    let source = DirectSource::open_data_dir(dir.path()).unwrap();
     let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
     let nine = replayer.rebuild(Some(LogPoint::Seq(9))).await.unwrap();
     assert_eq!(nine.state.canonical_bytes(), live, "a rebuild equals the live fold");
@@ -370,17 +401,19 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     assert!(report.passed(), "{report:?}");
     assert_eq!((report.applied_seq, report.checkpoint_sha256 == report.rebuilt_sha256), (10, true));
     drop((source, replayer));
+    released(dir.path()).await;
 
     // Tamper with ada's cursor on the DM in the checkpoint.
     {
-        let db = sled::Config::new().path(dir.path()).open().unwrap();
+        let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
         let tree = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
         let cursors_tag = 6u8;
         let (key, _) = tree.scan_prefix([STATE_PREFIX, cursors_tag]).next().unwrap().unwrap();
         tree.insert(key, &[1u8][..]).unwrap();
-        db.flush().unwrap();
+        drop(tree);
+        data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
     }
-    let source = open_after_stop(dir.path()).await;
+    let source = DirectSource::open_data_dir(dir.path()).unwrap();
     let report = source.verify(ReplayConfig::default()).await.unwrap();
     assert!(!report.passed());
     let difference = report.first_difference.unwrap();
@@ -402,20 +435,9 @@ async fn a_jetstream_stream_is_read_directly_and_never_created() {
     incident(instance.engine.log().as_ref()).await;
     instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
     let live = instance.engine.projection().state().canonical_bytes();
-    instance.stop().await.unwrap();
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
 
-    // The stopped instance's sled lock on the data dir is released a moment after it stops.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let source = loop {
-        match DirectSource::open_jetstream(config.clone(), Some(dir.path())).await {
-            Ok(source) => break source,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("data dir still locked 10 s after the instance stopped: {e}"),
-        }
-    };
+    let source = DirectSource::open_jetstream(config.clone(), Some(dir.path())).await.unwrap();
     let replayer = Replayer::new(source.log.clone(), ReplayConfig::default());
     assert_eq!(replayer.rebuild(None).await.unwrap().state.canonical_bytes(), live);
     let held = replayer.explain(6).await.unwrap();
@@ -500,19 +522,11 @@ async fn rebuild_equals_a_direct_fold() {
     );
 }
 
-/// Opens a data dir an instance just stopped using. sled releases its directory lock when its
-/// background flusher thread lets go of the database, which can be a moment after the last
-/// handle is dropped; a bounded retry covers that.
-async fn open_after_stop(path: &std::path::Path) -> DirectSource {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match DirectSource::open_data_dir(path) {
-            Ok(source) => return source,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("data dir still locked 10 s after the instance stopped: {e}"),
-        }
-    }
+/// Waits until nothing holds sled's lock on `dir` any more (the direct source just dropped).
+async fn released(dir: &std::path::Path) {
+    let dir = dir.to_path_buf();
+    tokio::task::spawn_blocking(move || data_dir::wait_until_released(&dir, data_dir::RELEASE_WAIT_DEFAULT))
+        .await
+        .unwrap()
+        .unwrap();
 }

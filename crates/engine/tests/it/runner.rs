@@ -162,3 +162,32 @@ async fn discards_a_checkpoint_of_another_fold_version_or_stream() {
     assert!(restored_at > 0);
     assert_eq!(resumed, expected);
 }
+
+/// A runner that cannot write its checkpoint stops and says why: a request waiting for its
+/// verdict is answered at once with the cause instead of waiting out its timeout, and the
+/// runner's task ends with the error (what the gateway's supervision acts on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let shutdown = CancellationToken::new();
+    let runner = Runner::start(log.clone(), checkpoints.clone(), config(), shutdown.clone()).await.expect("runner");
+    log.append_batch(events(10, "a")).await.expect("append");
+    let last = log.last_seq().await.expect("last");
+    runner.projection.wait_applied(last, WAIT).await.expect("caught up");
+
+    checkpoints.inject_write_failure();
+    log.append_batch(events(200, "b")).await.expect("append");
+    let ended = tokio::time::timeout(WAIT, runner.task).await.expect("the runner stops on its own").expect("join");
+    let error = ended.expect_err("the runner reports the failed write");
+    assert!(error.to_string().contains("injected checkpoint write failure"), "{error}");
+
+    let far = log.last_seq().await.expect("last") + 1_000;
+    let waited = tokio::time::Instant::now();
+    let answer = runner.projection.wait_applied(far, Duration::from_secs(600)).await.expect_err("never applied");
+    assert!(waited.elapsed() < Duration::from_secs(60), "answered at once, not after the 600 s timeout");
+    assert!(answer.to_string().contains("checkpoint"), "{answer}");
+    assert_eq!(runner.projection.stop_cause().as_deref(), Some(error.to_string().as_str()));
+    drop(db);
+}

@@ -1,0 +1,136 @@
+//! The data directory: one sled database holding the embedded log (when it is the backend) and
+//! the checkpoints. This module owns how it is opened (with an explicit page-cache bound) and how
+//! a caller knows it was really let go.
+//!
+//! sled locks its directory (an exclusive `flock` on the `db` file) so that one process at a time
+//! uses it. The lock goes away only when sled closes that file, which its own background threads
+//! may do a moment *after* the last `Db` handle is dropped. Reopening the directory right away —
+//! a restart in a test, the replay tool after a server stopped, a simulated crash — then fails
+//! with "could not acquire lock … WouldBlock" on a loaded machine. [`wait_until_released`] ends
+//! that race: it waits, with a deadline, until the lock can be taken, so "closed" means closed.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fs2::FileExt;
+
+/// sled's page cache when nothing else is configured. sled's own default is 1 GiB, which alone
+/// would exceed a small engine's whole memory budget.
+pub const SLED_CACHE_BYTES_DEFAULT: u64 = 128 * 1024 * 1024;
+/// How long a close waits for sled to let go of the directory before it reports a leak.
+pub const RELEASE_WAIT_DEFAULT: Duration = Duration::from_secs(30);
+/// How often the release wait looks at the lock again.
+const RELEASE_POLL: Duration = Duration::from_millis(5);
+
+/// Errors of opening or closing a data dir.
+#[derive(Debug, thiserror::Error)]
+pub enum DataDirError {
+    /// Another process (or a handle this process still holds) has the directory. Stop it, or
+    /// point this one at another directory.
+    #[error("data dir {path} is in use (another anima-wake, or a handle not yet closed)")]
+    Locked { path: String },
+    /// The directory could not be created or read; fix permissions or the path.
+    #[error("opening data dir {path}: {source}")]
+    Open {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// sled refused the database (corrupt, or written by an incompatible version).
+    #[error("opening data dir {path}: {source}")]
+    Store {
+        path: String,
+        #[source]
+        source: sled::Error,
+    },
+    /// Every handle was dropped but the lock was still held after the deadline: a handle leaked
+    /// somewhere in this process. A bug; restarting the process frees the directory.
+    #[error("data dir {path} still locked {waited:?} after it was closed")]
+    NotReleased { path: String, waited: Duration },
+}
+
+/// The sled file whose lock marks the directory as in use.
+fn lock_file(dir: &Path) -> PathBuf {
+    dir.join("db")
+}
+
+/// Opens (creating it when `create`) the sled database of `dir` with a page cache of at most
+/// `cache_bytes`.
+pub fn open(dir: &Path, cache_bytes: u64, create: bool) -> Result<sled::Db, DataDirError> {
+    let path = dir.display().to_string();
+    if create {
+        std::fs::create_dir_all(dir).map_err(|source| DataDirError::Open { path: path.clone(), source })?;
+    }
+    sled::Config::new().path(dir).cache_capacity(cache_bytes).open().map_err(|source| {
+        // sled reports its directory lock as an IO error of kind Other whose text names the lock.
+        if source.to_string().contains("could not acquire lock") {
+            DataDirError::Locked { path }
+        } else {
+            DataDirError::Store { path, source }
+        }
+    })
+}
+
+/// Flushes `db` and drops it, then waits until sled has let go of the directory (see the module
+/// docs). Every other handle on the same database (trees of the log and of the checkpoints) must
+/// already be dropped, or this waits until `timeout` and says so.
+pub fn close(db: sled::Db, dir: &Path, timeout: Duration) -> Result<(), DataDirError> {
+    if let Err(source) = db.flush() {
+        return Err(DataDirError::Store { path: dir.display().to_string(), source });
+    }
+    drop(db);
+    wait_until_released(dir, timeout)
+}
+
+/// Waits until no handle (in this process or another) holds sled's lock on `dir`, for at most
+/// `timeout`. A directory without a database counts as released.
+pub fn wait_until_released(dir: &Path, timeout: Duration) -> Result<(), DataDirError> {
+    let path = lock_file(dir);
+    let started = Instant::now();
+    loop {
+        let file = match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(source) => return Err(DataDirError::Open { path: dir.display().to_string(), source }),
+        };
+        // `flock` locks belong to the open file description, so this probe conflicts with
+        // sled's own lock even inside the same process.
+        if file.try_lock_exclusive().is_ok() {
+            // Dropping the file releases the probe's lock at once.
+            let _ = FileExt::unlock(&file);
+            return Ok(());
+        }
+        if started.elapsed() >= timeout {
+            return Err(DataDirError::NotReleased { path: dir.display().to_string(), waited: started.elapsed() });
+        }
+        std::thread::sleep(RELEASE_POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_closed_data_dir_opens_again_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        for round in 0..20u32 {
+            let db = open(dir.path(), 1024 * 1024, true).unwrap();
+            db.insert(round.to_be_bytes(), &b"x"[..]).unwrap();
+            close(db, dir.path(), RELEASE_WAIT_DEFAULT).unwrap();
+        }
+        let db = open(dir.path(), 1024 * 1024, false).unwrap();
+        assert_eq!(db.len(), 20, "every round's write survived its close");
+    }
+
+    #[test]
+    fn an_open_data_dir_is_locked_and_the_wait_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(dir.path(), 1024 * 1024, true).unwrap();
+        assert!(matches!(open(dir.path(), 1024 * 1024, false), Err(DataDirError::Locked { .. })));
+        let waited = wait_until_released(dir.path(), Duration::from_millis(50));
+        assert!(matches!(waited, Err(DataDirError::NotReleased { .. })), "{waited:?}");
+        drop(db);
+        wait_until_released(dir.path(), RELEASE_WAIT_DEFAULT).unwrap();
+    }
+}
