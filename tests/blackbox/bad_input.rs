@@ -39,7 +39,7 @@ async fn over_size_requests_and_huge_values_get_the_refusal_they_deserve() {
     assert!(refused.message().len() <= REFUSAL_BYTES_MAX, "{} bytes", refused.message().len());
 
     let mut sends = server.sends(CONNECTOR_TOKEN).await;
-    let confirm = api::ConfirmRequest {
+    let confirm = api::SendsConfirmRequest {
         agent_id: "ada".into(),
         target: Some(slack_target("C1", "")),
         kind: api::SendKind::Message as i32,
