@@ -53,6 +53,23 @@ async fn over_size_requests_and_huge_values_get_the_refusal_they_deserve() {
     assert!(refused.message().starts_with("request_id:"), "{refused:?}");
 }
 
+/// Bytes that are not the RPC's message (here `Memory.Status`'s request, whose field 1 is a
+/// string, sent to `Replay.Explain`, whose field 1 is a number) are the client's mistake:
+/// INVALID_ARGUMENT, not tonic-prost's INTERNAL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_is_not_the_rpcs_message_is_invalid_argument() {
+    let server = Server::start(Backend::Embedded);
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.expect("ready");
+    let mut request = tonic::Request::new(api::MemoryStatusRequest { agent_id: "ada".into() });
+    request.metadata_mut().insert("authorization", format!("Bearer {ADMIN_TOKEN}").parse().expect("ascii"));
+    let codec = tonic_prost::ProstCodec::<api::MemoryStatusRequest, api::ReplayExplainResponse>::default();
+    let path = "/anima.v1.Replay/Explain".parse().expect("a path");
+    let refused = grpc.unary(request, path, codec).await.expect_err("not an ExplainRequest");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().starts_with("request: not a valid message of this RPC"), "{refused:?}");
+}
+
 #[test]
 fn configurations_that_would_be_silently_wrong_stop_start_up_naming_the_key() {
     let listen = ["--listen", "127.0.0.1:0"];

@@ -5,7 +5,10 @@
 //! length too large: found N bytes, the limit is: L bytes". The server cannot choose that code,
 //! so this layer, the innermost, rewrites exactly that answer (a trailers-only response whose
 //! status is in the headers) into `RESOURCE_EXHAUSTED` "request: N bytes; the transport limit is
-//! L bytes per message". Every other response passes untouched. A message over the limit in the
+//! L bytes per message". Likewise a request body that does not decode as the RPC's message,
+//! which tonic-prost answers `INTERNAL` (the gRPC convention for parse errors, but to a client
+//! it reads as a server bug): it becomes `INVALID_ARGUMENT` "request: not a valid <message> ...",
+//! with prost's description clipped. Every other response passes untouched. A message over the limit in the
 //! middle of a client stream (`AppendStream`) ends that stream with tonic's status in its
 //! trailers, which this layer does not see.
 
@@ -16,6 +19,8 @@ use tonic::{Code, Status};
 
 /// Start of tonic 0.14's message for a request over its decoding limit.
 const TONIC_TOO_LARGE: &str = "Error, decoded message length too large: found ";
+/// Start of prost's message (through tonic-prost) for bytes that do not decode.
+const PROST_UNDECODABLE: &str = "failed to decode Protobuf message: ";
 
 #[derive(Clone, Copy)]
 pub struct TransportLimitLayer;
@@ -53,7 +58,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             let mut response = inner.call(request).await?;
-            if let Some(status) = over_the_limit(response.headers()) {
+            if let Some(status) = rewritten(response.headers()) {
                 // Replacing a well-formed status cannot fail; keep tonic's answer if it did.
                 if status.add_header(response.headers_mut()).is_ok() {
                     response.extensions_mut().insert(status);
@@ -64,12 +69,27 @@ where
     }
 }
 
-/// The `RESOURCE_EXHAUSTED` answer for tonic's over-the-limit refusal, if `headers` carry it.
-fn over_the_limit(headers: &http::HeaderMap) -> Option<Status> {
+/// The answer the API promises for tonic's refusal in `headers`, if they carry one to rewrite.
+fn rewritten(headers: &http::HeaderMap) -> Option<Status> {
     let status = Status::from_header_map(headers)?;
-    if status.code() != Code::OutOfRange {
-        return None;
+    match status.code() {
+        Code::OutOfRange => over_the_limit(&status),
+        Code::Internal => undecodable(&status),
+        _ => None,
     }
+}
+
+/// `INVALID_ARGUMENT` for a body that is not the RPC's message.
+fn undecodable(status: &Status) -> Option<Status> {
+    let detail = status.message().strip_prefix(PROST_UNDECODABLE)?;
+    Some(Status::invalid_argument(format!(
+        "request: not a valid message of this RPC ({})",
+        anima_engine::validate::echo(detail)
+    )))
+}
+
+/// `RESOURCE_EXHAUSTED` naming the limit for tonic's over-the-limit refusal.
+fn over_the_limit(status: &Status) -> Option<Status> {
     let sizes = status.message().strip_prefix(TONIC_TOO_LARGE)?;
     let (found, limit) = sizes.split_once(" bytes, the limit is: ")?;
     let limit = limit.strip_suffix(" bytes")?;
@@ -94,15 +114,24 @@ mod tests {
         let tonic = Status::out_of_range(
             "Error, decoded message length too large: found 5242885 bytes, the limit is: 4194304 bytes",
         );
-        let status = over_the_limit(&headers_of(tonic)).expect("rewritten");
+        let status = rewritten(&headers_of(tonic)).expect("rewritten");
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert_eq!(status.message(), "request: 5242885 bytes; the transport limit is 4194304 bytes per message");
     }
 
     #[test]
+    fn an_undecodable_body_becomes_invalid_argument() {
+        let tonic = Status::internal("failed to decode Protobuf message: AppendRequest.observation: invalid wire type");
+        let status = rewritten(&headers_of(tonic)).expect("rewritten");
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().starts_with("request: not a valid message of this RPC"), "{}", status.message());
+    }
+
+    #[test]
     fn every_other_status_passes_untouched() {
-        assert!(over_the_limit(&headers_of(Status::out_of_range("seq 9 is beyond the newest event"))).is_none());
-        assert!(over_the_limit(&headers_of(Status::invalid_argument("ts: bad"))).is_none());
-        assert!(over_the_limit(&http::HeaderMap::new()).is_none());
+        assert!(rewritten(&headers_of(Status::out_of_range("seq 9 is beyond the newest event"))).is_none());
+        assert!(rewritten(&headers_of(Status::invalid_argument("ts: bad"))).is_none());
+        assert!(rewritten(&http::HeaderMap::new()).is_none());
+        assert!(rewritten(&headers_of(Status::internal("the fold stopped"))).is_none());
     }
 }
