@@ -13,6 +13,11 @@ pub const ANALYTICS_PREFIX: u8 = b'a';
 pub const FOLD_VERSION_KEY: &[u8] = b"m:fold_version";
 /// The identity of the stream the checkpoint was taken on.
 pub const STREAM_KEY: &[u8] = b"m:stream";
+/// The epoch of the runner that owns the checkpoint (big-endian u64), taken at each restore.
+/// A write checks it in the same transaction that applies it, so a runner that was replaced
+/// (aborted while its write was still on the blocking pool, a crash simulated in-process) can
+/// never land a write after its successor's: a checkpoint is never a mix of two runners.
+pub const EPOCH_KEY: &[u8] = b"m:epoch";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -24,6 +29,10 @@ pub enum CheckpointError {
     /// A write refused by [`CheckpointStore::inject_write_failure`] (fault injection).
     #[error("injected checkpoint write failure")]
     Injected,
+    /// Another runner restored this checkpoint since this one did: this runner is stale and
+    /// must stop (its write was not applied).
+    #[error("the checkpoint was taken over by another runner (epoch {stored}, this runner {own})")]
+    Superseded { own: u64, stored: u64 },
     /// A stored entry does not decode: the checkpoint is unusable (the runner rebuilds).
     #[error(transparent)]
     Decode(#[from] anima_projections::state::CheckpointDecodeError),
@@ -36,13 +45,15 @@ pub struct CheckpointStore {
     tree: sled::Tree,
     /// Set by fault injection: every later write fails without touching sled.
     fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// This store's epoch, taken by its last restore (0: never restored, writes take none).
+    epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl CheckpointStore {
     /// Opens (or creates) the checkpoint tree `name` in `db`.
     pub fn open(db: sled::Db, name: &str) -> Result<Self, CheckpointError> {
         let tree = db.open_tree(name)?;
-        Ok(CheckpointStore { db, tree, fail_writes: Default::default() })
+        Ok(CheckpointStore { db, tree, fail_writes: Default::default(), epoch: Default::default() })
     }
 
     /// Fault injection for tests and simulations: from now on every write fails, as a full or
@@ -56,8 +67,12 @@ impl CheckpointStore {
     /// clears the tree and returns an empty state.
     pub async fn restore(&self, stream_identity: &str) -> Result<State, CheckpointError> {
         let tree = self.tree.clone();
+        let db = self.db.clone();
         let stream_identity = stream_identity.to_owned();
-        tokio::task::spawn_blocking(move || {
+        let (epoch, state) = tokio::task::spawn_blocking(move || -> Result<(u64, State), CheckpointError> {
+            // The epoch first: any write of an earlier runner that has not landed yet is refused
+            // from here on, so what is read below is one runner's checkpoint, whole.
+            let epoch = take_epoch(&tree, &db)?;
             let version_ok = tree.get(FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
             let stream_ok = tree.get(STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
             if version_ok && stream_ok {
@@ -72,16 +87,20 @@ impl CheckpointStore {
                     }
                 }
                 if intact {
-                    return Ok(state);
+                    return Ok((epoch, state));
                 }
             } else if !tree.is_empty() {
                 tracing::info!(version_ok, stream_ok, "checkpoint is from another fold version or stream; rebuilding");
             }
             tree.clear()?;
-            Ok(State::new())
+            tree.insert(EPOCH_KEY, &epoch.to_be_bytes()[..])?;
+            db.flush()?;
+            Ok((epoch, State::new()))
         })
         .await
-        .map_err(|e| CheckpointError::Task(e.to_string()))?
+        .map_err(|e| CheckpointError::Task(e.to_string()))??;
+        self.epoch.store(epoch, std::sync::atomic::Ordering::SeqCst);
+        Ok(state)
     }
 
     /// The maintained analytics counters of the checkpoint (call after [`CheckpointStore::restore`],
@@ -119,6 +138,7 @@ impl CheckpointStore {
         let db = self.db.clone();
         let tree = self.tree.clone();
         let stream_identity = stream_identity.to_owned();
+        let own = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
         tokio::task::spawn_blocking(move || {
             let mut batch = sled::Batch::default();
             let prefixed = changes
@@ -136,7 +156,20 @@ impl CheckpointStore {
             }
             batch.insert(FOLD_VERSION_KEY, &FOLD_VERSION.to_be_bytes()[..]);
             batch.insert(STREAM_KEY, stream_identity.as_bytes());
-            tree.apply_batch(batch)?;
+            // Applied only while this runner still owns the checkpoint (see EPOCH_KEY).
+            let applied = tree.transaction(|tx| {
+                let stored = tx.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch);
+                if own != 0 && stored != own {
+                    return sled::transaction::abort(CheckpointError::Superseded { own, stored });
+                }
+                tx.apply_batch(&batch)?;
+                Ok(())
+            });
+            match applied {
+                Ok(()) => {}
+                Err(sled::transaction::TransactionError::Abort(e)) => return Err(e),
+                Err(sled::transaction::TransactionError::Storage(e)) => return Err(e.into()),
+            }
             db.flush()?;
             Ok(())
         })
@@ -155,4 +188,16 @@ impl CheckpointStore {
             None => Ok(0),
         }
     }
+}
+
+/// Takes the next epoch of the checkpoint in `tree` and makes it durable.
+fn take_epoch(tree: &sled::Tree, db: &sled::Db) -> Result<u64, CheckpointError> {
+    let next =
+        tree.update_and_fetch(EPOCH_KEY, |old| Some((old.map_or(0, decode_epoch) + 1).to_be_bytes().to_vec()))?;
+    db.flush()?;
+    Ok(next.as_deref().map_or(1, decode_epoch))
+}
+
+fn decode_epoch(bytes: &[u8]) -> u64 {
+    bytes.try_into().map(u64::from_be_bytes).unwrap_or(0)
 }

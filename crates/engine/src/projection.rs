@@ -234,6 +234,9 @@ impl Runner {
     }
 }
 
+/// A checkpoint write running beside the fold.
+type CheckpointWrite = tokio::task::JoinHandle<Result<(), RunnerError>>;
+
 async fn run(
     log: Arc<dyn EventLog>,
     projection: Arc<Projection>,
@@ -242,14 +245,39 @@ async fn run(
     shutdown: CancellationToken,
     stream_identity: String,
 ) -> Result<(), RunnerError> {
+    // At most one checkpoint write in flight, beside the fold: a sled flush never holds up the
+    // requests waiting for their verdicts. Writes stay in order because the next one starts only
+    // after the previous one finished.
+    let mut writing: Option<CheckpointWrite> = None;
+    let result =
+        follow_and_apply(&log, &projection, &checkpoints, &config, &shutdown, &stream_identity, &mut writing).await;
+    // Whatever ended the loop, the write in flight finishes before the runner does, so no write
+    // of this runner can land after a successor's.
+    if let Some(writing) = writing {
+        let written = writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")));
+        written??;
+    }
+    result?;
+    let changes = drain_changes(&projection);
+    write_checkpoint(&checkpoints, &stream_identity, changes).await?;
+    tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
+    Ok(())
+}
+
+/// Follows the log and applies it until `shutdown`, starting checkpoint writes as they fall due.
+async fn follow_and_apply(
+    log: &Arc<dyn EventLog>,
+    projection: &Arc<Projection>,
+    checkpoints: &CheckpointStore,
+    config: &RunnerConfig,
+    shutdown: &CancellationToken,
+    stream_identity: &str,
+    writing: &mut Option<CheckpointWrite>,
+) -> Result<(), RunnerError> {
     let mut stream = log.follow(projection.applied_seq() + 1, None).await?;
     let mut since_checkpoint = 0u64;
     let mut last_checkpoint = Instant::now();
     let mut tick = tokio::time::interval(config.checkpoint_interval);
-    // At most one checkpoint write in flight, beside the fold: a sled flush never holds up the
-    // requests waiting for their verdicts. Writes stay in order because the next one starts only
-    // after the previous one finished.
-    let mut writing: Option<tokio::task::JoinHandle<Result<(), RunnerError>>> = None;
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -269,29 +297,23 @@ async fn run(
                 }
             }
             since_checkpoint += batch.len() as u64;
-            apply_batch(&projection, &batch);
+            apply_batch(projection, &batch);
         }
         let due = since_checkpoint >= config.checkpoint_every_events
             || (since_checkpoint > 0 && last_checkpoint.elapsed() >= config.checkpoint_interval);
         if let Some(done) = writing.as_mut().and_then(|w| w.now_or_never()) {
-            writing = None;
+            *writing = None;
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
         }
         if due && writing.is_none() {
-            let changes = drain_changes(&projection);
-            let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.clone());
-            writing =
+            let changes = drain_changes(projection);
+            let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.to_owned());
+            *writing =
                 Some(tokio::spawn(async move { write_checkpoint(&checkpoints, &stream_identity, changes).await }));
             since_checkpoint = 0;
             last_checkpoint = Instant::now();
         }
     }
-    if let Some(writing) = writing {
-        writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
-    }
-    let changes = drain_changes(&projection);
-    write_checkpoint(&checkpoints, &stream_identity, changes).await?;
-    tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
 }
 

@@ -66,6 +66,8 @@ pub struct Redactor {
     /// Full names of string fields marked `(anima.v1.content) = false`. Every other string
     /// field is content.
     plain: BTreeSet<String>,
+    /// Field number of each payload variant of the envelope → its name (the event type).
+    payload_names: BTreeMap<u32, String>,
 }
 
 /// One stored event without its content.
@@ -141,7 +143,12 @@ impl Redactor {
                 }
             }
         }
-        Ok(Redactor { envelope, plain })
+        let payload_names = envelope
+            .fields()
+            .filter(|field| field.containing_oneof().is_some_and(|oneof| oneof.name() == PAYLOAD_ONEOF))
+            .map(|field| (field.number(), field.name().to_owned()))
+            .collect();
+        Ok(Redactor { envelope, plain, payload_names })
     }
 
     /// The redactor of the schema this crate was built with.
@@ -163,6 +170,35 @@ impl Redactor {
         match DynamicMessage::decode(self.envelope.clone(), stored) {
             Ok(envelope) => self.payload_type(&envelope),
             Err(_) => EVENT_TYPE_UNDECODABLE.to_owned(),
+        }
+    }
+
+    /// The event type of stored bytes like [`Redactor::event_type`], found from the envelope's
+    /// top-level field numbers without decoding it: cheap enough for every publish (the log puts
+    /// it in a message header so NATS tools filter without decoding).
+    pub fn stored_event_type(&self, stored: &[u8]) -> &str {
+        let mut buf = stored;
+        let mut found = None;
+        let mut unknown = false;
+        while !buf.is_empty() {
+            let Ok((number, wire_type)) = prost::encoding::decode_key(&mut buf) else {
+                return EVENT_TYPE_UNDECODABLE;
+            };
+            match self.payload_names.get(&number) {
+                // A oneof's last variant on the wire wins, as in a full decode.
+                Some(name) => found = Some(name.as_str()),
+                None => unknown |= self.envelope.get_field(number).is_none(),
+            }
+            let skipped =
+                prost::encoding::skip_field(wire_type, number, &mut buf, prost::encoding::DecodeContext::default());
+            if skipped.is_err() {
+                return EVENT_TYPE_UNDECODABLE;
+            }
+        }
+        match found {
+            Some(name) => name,
+            None if unknown => EVENT_TYPE_UNKNOWN,
+            None => EVENT_TYPE_EMPTY,
         }
     }
 

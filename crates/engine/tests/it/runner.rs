@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anima_engine::checkpoint::{CheckpointStore, FOLD_VERSION_KEY, STREAM_KEY};
+use anima_engine::checkpoint::{CheckpointError, CheckpointStore, FOLD_VERSION_KEY, STREAM_KEY};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::{Runner, RunnerConfig};
@@ -189,5 +189,26 @@ async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
     assert!(waited.elapsed() < Duration::from_secs(60), "answered at once, not after the 600 s timeout");
     assert!(answer.to_string().contains("checkpoint"), "{answer}");
     assert_eq!(runner.projection.stop_cause().as_deref(), Some(error.to_string().as_str()));
+    drop(db);
+}
+
+/// A runner that was replaced cannot write over its successor: once another runner restored the
+/// checkpoint, the old one's write is refused (and applies nothing), so a checkpoint is never a
+/// mix of two runners — e.g. a runner aborted while its write still waited on the blocking pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_runner_cannot_write_over_its_successor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    let identity = log.identity();
+    let old = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    old.restore(&identity).await.expect("restore");
+    old.write(&identity, vec![], vec![]).await.expect("the owner writes");
+    let new = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    new.restore(&identity).await.expect("restore");
+    let seq_before = new.checkpointed_seq().expect("seq");
+    let refused = old.write(&identity, vec![(vec![0], Some(vec![1, 2, 3]))], vec![]).await;
+    assert!(matches!(refused, Err(CheckpointError::Superseded { .. })), "{refused:?}");
+    assert_eq!(new.checkpointed_seq().expect("seq"), seq_before, "the stale write applied nothing");
+    new.write(&identity, vec![], vec![]).await.expect("the successor writes");
     drop(db);
 }

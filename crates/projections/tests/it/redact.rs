@@ -473,3 +473,25 @@ fn the_non_content_strings_of_the_schema_are_exactly_the_reviewed_ones() {
     assert!(stale.is_empty(), "reviewed but no longer a non-content string of the schema: {stale:?}");
     assert!(!marked.contains("anima.v1.LinearSessionEvent.issue_url"), "Linear URLs end in the issue title");
 }
+
+/// The event type read from the field numbers alone (what the JetStream log puts in each
+/// message's header) is the type a full decode names, for every payload kind of the schema, an
+/// empty envelope, a payload this build does not know, and bytes that are not an envelope.
+#[test]
+fn the_header_event_type_is_the_decoded_one() {
+    let redactor = Redactor::schema();
+    for (event_type, bytes, _, _) in every_event_kind() {
+        assert_eq!(redactor.stored_event_type(&bytes), event_type);
+        assert_eq!(redactor.event_type(&bytes), event_type);
+    }
+    let empty = Envelope { event_id: "e".into(), ..Default::default() }.encode_to_vec();
+    assert_eq!(redactor.stored_event_type(&empty), redactor.event_type(&empty));
+    // Field 999 (length-delimited) is no field of this build's envelope.
+    let mut unknown = empty.clone();
+    unknown.extend_from_slice(&[0xBA, 0x3E, 0x01, 0x00]);
+    assert_eq!(redactor.stored_event_type(&unknown), EVENT_TYPE_UNKNOWN);
+    assert_eq!(redactor.event_type(&unknown), EVENT_TYPE_UNKNOWN);
+    let garbage = [0xFFu8, 0xFF, 0xFF];
+    assert_eq!(redactor.stored_event_type(&garbage), EVENT_TYPE_UNDECODABLE);
+    assert_eq!(redactor.event_type(&garbage), EVENT_TYPE_UNDECODABLE);
+}
