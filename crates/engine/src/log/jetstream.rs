@@ -46,6 +46,9 @@ use crate::subject::ALL_SUBJECTS;
 /// of 2 minutes would let its retries through (FIELD-NOTES).
 pub const DUPLICATE_WINDOW_MIN: Duration = Duration::from_secs(10 * 60);
 
+/// The header naming each message's event type (`slack_message`, `send`, ...).
+pub const EVENT_TYPE_HEADER: &str = "Anima-Event-Type";
+
 /// Shortest `max_age` accepted: the memory pass needs at least two daily pass intervals of
 /// history (DESIGN §4.10).
 pub const MAX_AGE_MIN: Duration = Duration::from_secs(2 * 24 * 60 * 60);
@@ -245,6 +248,10 @@ impl JetStreamConfig {
             max_messages: -1,
             max_messages_per_subject: -1,
             allow_direct: true,
+            // An event log is append-only: data is retired by a configured max age, never by
+            // deleting or purging messages (NATS refuses both on this stream).
+            deny_delete: true,
+            deny_purge: true,
             description: Some("Anima wake engine event log".into()),
             ..Default::default()
         }
@@ -344,9 +351,15 @@ impl JetStreamLog {
         }
     }
 
-    /// Publishes one record; the returned future resolves to its ack.
+    /// Publishes one record; the returned future resolves to its ack. Every message carries its
+    /// event type in the `Anima-Event-Type` header (read from the envelope's field numbers, not
+    /// decoded), so NATS tools and consumers filter without decoding.
     async fn publish(&self, record: &AppendRecord) -> LogResult<PublishAckFuture> {
-        let message = PublishMessage::build().payload(record.payload.clone()).message_id(&record.msg_id);
+        let event_type = anima_projections::redact::Redactor::schema().stored_event_type(&record.payload);
+        let message = PublishMessage::build()
+            .payload(record.payload.clone())
+            .message_id(&record.msg_id)
+            .header(EVENT_TYPE_HEADER, event_type);
         self.context.send_publish(record.subject.clone(), message).await.map_err(publish_error)
     }
 

@@ -500,6 +500,38 @@ mod jetstream_only {
     use super::*;
     use async_nats::jetstream::stream::{Config, StorageType};
 
+    /// As NATS users see the stream: created append-only (deletes and purges refused by the
+    /// server), and every message names its event type in a header, so `nats stream view` and
+    /// consumers filter without decoding.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_stream_is_append_only_and_messages_name_their_event_type() {
+        let server = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
+        let log = JetStreamLog::connect(JetStreamConfig { url: server.url(), ..JetStreamConfig::default() })
+            .await
+            .expect("connect");
+        let registration = anima_projections::proto::Envelope {
+            event_id: "e1".into(),
+            min_reader_version: 1,
+            payload: Some(anima_projections::proto::envelope::Payload::AgentRegistered(
+                anima_projections::proto::AgentRegistered { agent_id: "ada".into(), ..Default::default() },
+            )),
+            ..Default::default()
+        };
+        let payload = Bytes::from(prost::Message::encode_to_vec(&registration));
+        let subject = agent_subject("ada");
+        log.append(AppendRecord { subject, msg_id: "e1".into(), payload }).await.expect("append");
+
+        let client = async_nats::connect(server.url()).await.expect("connect");
+        let mut stream = async_nats::jetstream::new(client).get_stream("ANIMA").await.expect("stream");
+        let config = stream.info().await.expect("info").config.clone();
+        assert!(config.deny_delete && config.deny_purge, "{config:?}");
+        let stored = stream.get_raw_message(1).await.expect("message 1");
+        let event_type = stored.headers.get(anima_engine::log::jetstream::EVENT_TYPE_HEADER).map(|v| v.to_string());
+        assert_eq!(event_type.as_deref(), Some("agent_registered"));
+        assert!(stream.purge().await.is_err(), "a purge is refused by the server");
+        assert!(stream.delete_message(1).await.is_err(), "a delete is refused by the server");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_incompatible_existing_stream_is_refused() {
         let server = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");

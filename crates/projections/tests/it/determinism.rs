@@ -504,6 +504,10 @@ impl Model {
                     self.move_cursor(agent, &p.surface, to);
                 }
             }
+            // A start from a worker that does not hold the claim (never had it, or lost it) is
+            // refused as ABORTED too: claim again.
+            Some(Verdict::Refused(refusal))
+                if refusal.kind == RefusalKind::Aborted && refusal.message.contains("not claimed by this worker") => {}
             Some(Verdict::Refused(refusal)) if refusal.kind == RefusalKind::Aborted => {
                 assert!(
                     request.plan.iter().any(|p| cursor(self, &p.surface) != expected(p)),
