@@ -1,6 +1,6 @@
 //! Command handlers: validate the input, append the request (or observation) to the log with an
 //! id fixed before the first attempt, wait until the fold has applied it, and return the verdict
-//! the fold recorded at that position (DESIGN §1). Nothing here decides; rendering of notices and
+//! the fold recorded at that position. Nothing here decides; rendering of notices and
 //! wake texts happens here only because it needs bodies read from the cache or the log.
 
 use std::sync::Arc;
@@ -459,7 +459,7 @@ impl Engine {
         Ok(LinearIngestOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
     }
 
-    /// Asks to answer a Linear session (DESIGN §4.8): returns the activity id the fold generated
+    /// Asks to answer a Linear session: returns the activity id the fold generated
     /// for this response's key (the earlier one for a repeat) and its state.
     pub async fn respond_linear(
         &self,

@@ -1,4 +1,4 @@
-//! The memory digest (DESIGN §4.10): a SHA-256 over an agent's `MEMORY.md` and `notes/` tree that
+//! The memory digest: a SHA-256 over an agent's `MEMORY.md` and `notes/` tree that
 //! a runtime takes before and after a memory pass, so the outcome (`completed` when it changed,
 //! `quiet_skipped` when not) is decided from what really changed. Runtimes may reimplement it;
 //! the format below is the contract, and `anima-wake digest DIR` is the reference.

@@ -1,4 +1,4 @@
-//! The memory-pass side of the engine (DESIGN §4.10): the `memoryCoherence` configuration
+//! The memory-pass side of the engine: the `memoryCoherence` configuration
 //! appended to the log when it differs from what the log holds, and the scheduler loop.
 //!
 //! Every instance may run the loop. Each tick reads the plan from its own projection

@@ -1,4 +1,4 @@
-//! Replay for incident debugging (DESIGN §5 `Replay`, §6) and the fold-backed analytics views.
+//! Replay for incident debugging and the fold-backed analytics views.
 //!
 //! Everything here is rebuilt from the log: a [`Replayer`] reads stored events and folds them
 //! into its own [`State`], never touching a live projection. It answers

@@ -1,4 +1,4 @@
-//! Subject encoding (DESIGN §3.3): every event is stored on a hierarchical subject
+//! Subject encoding: every event is stored on a hierarchical subject
 //! `anima.v1.<family>.<token>...`, used for filtered replay of one surface or agent and for
 //! JetStream's per-subject index.
 //!
@@ -10,7 +10,7 @@
 
 use std::fmt::Write as _;
 
-/// The configuration family: configuration applied at start-up (DESIGN §6).
+/// The configuration family: configuration applied at start-up.
 pub const CONFIG_SUBJECT: &str = "anima.v1.config";
 
 /// Filter matching every subject the engine writes; the JetStream stream captures exactly this.
@@ -136,7 +136,7 @@ pub fn check_subject(subject: &str) -> Result<(), SubjectError> {
     Ok(())
 }
 
-/// Subject of one Slack surface (DESIGN §4.1): a channel's top level or DM main timeline,
+/// Subject of one Slack surface: a channel's top level or DM main timeline,
 /// `anima.v1.surface.slack.<team>.<channel>`, or one thread,
 /// `anima.v1.surface.slack.<team>.<channel>.thread.<thread_ts>`. Every id is encoded.
 pub fn slack_surface_subject(team: &str, channel: &str, thread_ts: Option<&str>) -> String {
@@ -148,7 +148,7 @@ pub fn slack_surface_subject(team: &str, channel: &str, thread_ts: Option<&str>)
     subject
 }
 
-/// Subject of one chat surface (DESIGN §4.1): a chat's top level,
+/// Subject of one chat surface: a chat's top level,
 /// `anima.v1.surface.chat.<tenant>.<chat>`, or one thread,
 /// `anima.v1.surface.chat.<tenant>.<chat>.thread.<thread>`. Every id is encoded.
 pub fn chat_surface_subject(tenant: &str, chat: &str, thread: Option<&str>) -> String {

@@ -3,7 +3,7 @@
 //! of them routed into one JetStream cluster, for replicated (R3) streams and failover tests.
 //!
 //! Tests never skip for want of a server: when `nats-server` is missing the fixture panics with
-//! the command that installs the pinned version (DESIGN §3.2). Set `NATS_SERVER_BIN` to use a
+//! the command that installs the pinned version. Set `NATS_SERVER_BIN` to use a
 //! binary that is not on `PATH`.
 
 use std::fs::File;

@@ -39,7 +39,7 @@ pub struct Config {
     pub runner: RunnerSettings,
     #[serde(default)]
     pub wakes: WakeSettings,
-    /// The memory pass (DESIGN §4.10). Appended to the log at start-up when it differs.
+    /// The memory pass. Appended to the log at start-up when it differs.
     #[serde(default, rename = "memoryCoherence")]
     pub memory_coherence: MemoryCoherenceSettings,
     /// Prometheus metrics (`GET /metrics`) on their own HTTP listener; off when unset. The

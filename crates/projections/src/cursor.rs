@@ -1,4 +1,4 @@
-//! Cursors (DESIGN §4.3): per (agent, surface), absent or present@N (rows 1..=N delivered).
+//! Cursors: per (agent, surface), absent or present@N (rows 1..=N delivered).
 //!
 //! Every move of a cursor goes through [`State::advance_cursor`], the one home of the rule:
 //! never backwards, never beyond the surface's tail. An absent cursor may become present at any

@@ -232,7 +232,7 @@ impl State {
         })
     }
 
-    /// A chat message as one agent's app received it (DESIGN §4.1, §4.4): journaled once per
+    /// A chat message as one agent's app received it: journaled once per
     /// identity (tenant, chat, message id) on its surface, then routed for the receiving agent
     /// like a Slack message — p2p chats as DMs.
     fn observe_chat_message(&mut self, at: LogPosition, message: &proto::ChatMessageObserved) -> Verdict {

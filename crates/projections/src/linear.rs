@@ -1,4 +1,4 @@
-//! Linear agent sessions (DESIGN §4.1, §4.5, §4.8): session events become wakes whose reply target
+//! Linear agent sessions: session events become wakes whose reply target
 //! is the session, and answers follow the response protocol.
 //!
 //! * `created` and `prompted` receipts queue a wake (reason `linear`, item id = receipt id) in the
@@ -203,7 +203,7 @@ impl State {
         })
     }
 
-    /// Decides a response request (DESIGN §4.8).
+    /// Decides a response request.
     pub(crate) fn request_linear_response(
         &mut self,
         at: LogPosition,
@@ -226,7 +226,7 @@ impl State {
         if kind == proto::LinearResponseKind::Unspecified {
             return refused(RefusalKind::InvalidArgument, "kind is unspecified");
         }
-        // A runtime answers only sessions it was given, and not after a stop (DESIGN §4.8).
+        // A runtime answers only sessions it was given, and not after a stop.
         let session_key = (request.agent_id.clone(), request.session_id.clone());
         match self.linear_sessions.get(&session_key) {
             None => {

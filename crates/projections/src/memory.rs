@@ -1,4 +1,4 @@
-//! The memory pass ("Dreaming", DESIGN §4.10) in the fold: the `memoryCoherence` configuration
+//! The memory pass ("Dreaming") in the fold: the `memoryCoherence` configuration
 //! as the log holds it, each agent's eligibility gate, pass requests judged at their place in the
 //! log, outcomes classified from the runtime's digests, and the plan the scheduler and
 //! `Memory.Plan` read.
@@ -330,7 +330,7 @@ impl State {
     }
 
     /// The memory pass the agent's active (claimed or running) wake is, if it is one. A memory
-    /// pass is sealed (DESIGN §4.12): it reads untrusted history, so it must not be a path from
+    /// pass is sealed: it reads untrusted history, so it must not be a path from
     /// an injected instruction to a post; the agent's sends and Linear responses are refused
     /// meanwhile.
     pub(crate) fn active_memory_pass(&self, agent: &str) -> Option<&str> {

@@ -1,4 +1,4 @@
-//! When each agent's daily memory pass falls due (DESIGN §4.10): the `memoryCoherence` window
+//! When each agent's daily memory pass falls due: the `memoryCoherence` window
 //! settings, the per-agent offset into the window, the slot of a local window-day, and the slot
 //! due at an instant with its pass id.
 //!

@@ -1,4 +1,4 @@
-//! The redacted, content-free view of stored events (DESIGN §3.4, §4.11), and the pure counters
+//! The redacted, content-free view of stored events, and the pure counters
 //! analytics computes from it.
 //!
 //! What is content is not decided here: it is read from the `(anima.v1.content)` marking of the

@@ -217,7 +217,7 @@ impl ExtrasSizes {
     }
 }
 
-/// Which extras of the trigger a wake text shows (DESIGN §4.6).
+/// Which extras of the trigger a wake text shows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Extras {
     pub note: bool,
@@ -635,7 +635,7 @@ pub fn put_wake_tail(out: &mut impl Sink, item: &crate::wake::WakeItem) {
 /// How to answer a Linear session, below its reply target.
 pub const LINEAR_HOW_TO_ANSWER: &str = "Answer with Sends.Respond: this session, a kind (thought, action, elicitation, response or error), your text, and the item ids of the wakes you answer; repeating the same response returns the same activity, so retry it unchanged if unsure.\n";
 
-/// A Linear wake (DESIGN §4.6): the session and prompt fields, the log time, the issue link, the
+/// A Linear wake: the session and prompt fields, the log time, the issue link, the
 /// prompt fenced like all content (only the new one on `prompted`), and the exact reply target.
 /// The body's `user_name` holds the issue title. The item id is not shown: the session and
 /// activity ids are, as fields.
@@ -686,7 +686,7 @@ pub fn wake_frame_bytes_max(item: &crate::wake::WakeItem) -> usize {
     count.0 + item.trigger.sender_bytes as usize + 1 + text_bytes
 }
 
-/// A memory pass (DESIGN §4.10): when it runs, the slot it was scheduled for in the configured
+/// A memory pass: when it runs, the slot it was scheduled for in the configured
 /// zone, and what it is for — the maintenance form, or the consolidation form when the claim
 /// reported a `MEMORY.md` above the threshold. No content of any conversation appears here.
 pub fn put_memory_wake(

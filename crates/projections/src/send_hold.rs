@@ -1,4 +1,4 @@
-//! The send hold (DESIGN §4.7): before every irreversible post the agent asks, and the fold
+//! The send hold: before every irreversible post the agent asks, and the fold
 //! decides at the request's place in the log. A send into a conversation that moved — foreign
 //! rows after the agent's cursor — is held and the agent is shown what it missed; the cursor then
 //! passes the tail, so a resend with nothing new posts. Because the verdict is the fold's at the

@@ -104,7 +104,7 @@ pub struct State {
     /// Log seq of the request → response key, to forget the oldest response beyond the bound.
     pub linear_response_order: Table<u64, LinearResponseKey>,
     /// (agent, session id) → whether the agent received that Linear session and whether it was
-    /// stopped since: only a received, unstopped session may be answered (DESIGN §4.8).
+    /// stopped since: only a received, unstopped session may be answered.
     pub linear_sessions: Table<(String, String), crate::linear::LinearSessionReceived>,
     /// Log seq of a session's newest receipt → its key, to forget the oldest beyond the bound.
     pub linear_session_order: Table<u64, (String, String)>,

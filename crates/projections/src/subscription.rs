@@ -1,4 +1,4 @@
-//! Subscriptions and routing (DESIGN §4.4, §4.9): what wakes an agent, what it follows and has
+//! Subscriptions and routing: what wakes an agent, what it follows and has
 //! muted, and the attention counters behind mute suggestions. All derived by the fold from the
 //! observation itself, in the same step that journals it.
 

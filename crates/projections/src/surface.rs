@@ -1,6 +1,6 @@
 //! Surfaces: where messages live and where posts go. A Slack channel's top level (or a DM's main
 //! timeline) and each of its threads are separate surfaces with separate journals; so are a
-//! chat's top level and each of its threads (the generic chat platform, DESIGN §4.1).
+//! chat's top level and each of its threads (the generic chat platform).
 //!
 //! The canonical key is what the API shows and what plans carry:
 //! `slack:{team}:{channel}`, `slack:{team}:{channel}:thread:{thread_ts}`, `chat:{tenant}:{chat}`
@@ -287,7 +287,7 @@ impl LinearReceiptKind {
     }
 }
 
-/// The receipt identity of a Linear session event (DESIGN §4.1):
+/// The receipt identity of a Linear session event:
 /// `linear:{installation}:{created|prompted}:{session id | agent activity id}`. The first receipt
 /// wins; it is also the wake item id.
 pub fn linear_receipt_identity(installation: &str, kind: LinearReceiptKind, id: &str) -> String {

@@ -304,7 +304,7 @@ pub type SettleOrder = (AgentKey, u64);
 pub type SettledItem = (String, i64);
 
 /// Settled item ids per agent in settle order, with a lookup by id: the duplicate check of every
-/// new wake (DESIGN §4.5: settled in the last 14 days, at most [`SETTLED_REMEMBERED_MAX`] per
+/// new wake (Settled in the last 14 days, at most [`SETTLED_REMEMBERED_MAX`] per
 /// agent). Several items can settle at one log position (a claim settles covered items on its
 /// way), so the order is a per-agent counter ([`AgentQueue::settled_counter`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! The embedded event log on sled (DESIGN §3.2): the same semantics as the JetStream stream in
+//! The embedded event log on sled: the same semantics as the JetStream stream in
 //! one process, for a single machine, a laptop, tests and the first run.
 //!
 //! Everything lives in ONE sled tree named `log`, because `apply_batch` is atomic within one tree

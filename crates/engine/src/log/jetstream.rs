@@ -1,4 +1,4 @@
-//! The production event log: one NATS JetStream stream (DESIGN §3.2), `ANIMA` by default,
+//! The production event log: one NATS JetStream stream, `ANIMA` by default,
 //! capturing `anima.v1.>` with file storage, replicas from configuration, a duplicate window of at
 //! least 10 minutes and no age or size limit unless configured.
 //!
@@ -50,7 +50,7 @@ pub const DUPLICATE_WINDOW_MIN: Duration = Duration::from_secs(10 * 60);
 pub const EVENT_TYPE_HEADER: &str = "Anima-Event-Type";
 
 /// Shortest `max_age` accepted: the memory pass needs at least two daily pass intervals of
-/// history (DESIGN §4.10).
+/// history.
 pub const MAX_AGE_MIN: Duration = Duration::from_secs(2 * 24 * 60 * 60);
 
 /// Largest `ack_window` accepted. 4096 acks in flight already reach the measured plateau

@@ -1,4 +1,4 @@
-//! One conformance suite for both event-log backends (DESIGN §3.2): every check is written once
+//! One conformance suite for both event-log backends: every check is written once
 //! against `&dyn EventLog` and instantiated for the embedded log (sled in a temporary directory)
 //! and for JetStream (a real `nats-server` from `anima_engine::testing`).
 //!

@@ -1,4 +1,4 @@
-//! `Replay.Explain` renders the fold's facts and never decides again (DESIGN §6): for every
+//! `Replay.Explain` renders the fold's facts and never decides again: for every
 //! request of a generated log, Explain names the verdict the fold recorded at that sequence, and
 //! the facts it states are the ones the verdict carries — the cursor a send was judged from, the
 //! new (foreign) rows the fold counted, the refusal's reason, the cursors a start moved.

@@ -1,4 +1,4 @@
-//! The claim lease and the recovery loop (DESIGN §4.5), and the Linear response guard (§4.8), in
+//! The claim lease and the recovery loop, and the Linear response guard, in
 //! one engine instance on the embedded log, with a manual clock that stamps the log and drives
 //! the loop's "now": a claim never started within its lease is re-queued for any worker and its
 //! late start refused; a running wake silent for 30 minutes is re-queued to resume; a heartbeat

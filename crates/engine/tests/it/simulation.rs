@@ -11,7 +11,7 @@
 //!
 //! After every step an independent checker reads every new event back from the raw log, decodes
 //! it, and replays it through its own model (journals, cursors, queues, settles, open passes)
-//! together with the verdict the fold recorded. The model is written from DESIGN, not from the
+//! together with the verdict the fold recorded. The model is written from the design rules, not from the
 //! fold's code: it knows who owns a row, which rows a cursor passed and what is queued, and checks
 //! * no send is allowed over a foreign row before it in the log that its cursor had not passed,
 //!   and no send is held without one;
@@ -80,11 +80,11 @@ const META_ENTRY_KEY: [u8; 2] = [anima_engine::checkpoint::STATE_PREFIX, 0];
 
 const MINUTE_NS: i64 = 60 * 1_000_000_000;
 const DAY_NS: i64 = 24 * 60 * MINUTE_NS;
-/// DESIGN §4.5: a running wake silent this long (log time) may be re-queued.
+/// A running wake silent this long (log time) may be re-queued.
 const HEARTBEAT_SILENCE_NS: i64 = 30 * MINUTE_NS;
-/// DESIGN §4.5: an id settled this recently is a duplicate.
+/// An id settled this recently is a duplicate.
 const SETTLED_REMEMBERED_NS: i64 = 14 * DAY_NS;
-/// DESIGN §4.5: the claim lease's default; a claim abandoned longer than this plus a recovery
+/// The claim lease's default; a claim abandoned longer than this plus a recovery
 /// tick is a stuck agent.
 const CLAIM_LEASE_NS: i64 = 5 * MINUTE_NS;
 /// The engine appends at most one heartbeat per item this often.
@@ -409,9 +409,9 @@ struct Strict {
     recovery: bool,
     /// A claim abandoned before its start still held a day later (issue 11, defect 1).
     stuck: bool,
-    /// A held notice counting the agent's own rows as new messages (DESIGN §4.7).
+    /// A held notice counting the agent's own rows as new messages.
     held_count: bool,
-    /// A send allowed while the agent's memory pass runs (DESIGN §4.12).
+    /// A send allowed while the agent's memory pass runs.
     sealed: bool,
 }
 
@@ -446,7 +446,7 @@ struct Findings {
     stuck_claims: BTreeSet<String>,
     /// Held sends whose notice counted the agent's own rows as new messages.
     held_counts_own_rows: u64,
-    /// Sends allowed while the agent's running wake was a memory pass (DESIGN §4.12 "sealed").
+    /// Sends allowed while the agent's running wake was a memory pass.
     sends_during_memory_pass: u64,
 }
 
@@ -1318,7 +1318,7 @@ impl Sim {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The independent model: what DESIGN says the fold must have done, from the raw log.
+// The independent model: what the design says the fold must have done, from the raw log.
 
 #[derive(Clone, Debug)]
 struct ModelRow {
@@ -1759,7 +1759,7 @@ impl Model {
                 return Err(format!("seq {seq}: the client got {answered:?}, the fold recorded {decided:?}"));
             }
         }
-        // DESIGN §4.12: while the agent's running wake is a memory pass, its sends are refused.
+        // While the agent's running wake is a memory pass, its sends are refused.
         let sealed = self
             .queues
             .get(agent)
@@ -1802,7 +1802,7 @@ impl Model {
                         "seq {seq}: a send of {agent} to {surface} was held with no foreign row after {c}"
                     ));
                 }
-                // DESIGN §4.7: the notice counts the new foreign messages, not the agent's own.
+                // The notice counts the new foreign messages, not the agent's own.
                 if held.new_messages != foreign {
                     if self.strict.held_count {
                         return Err(format!(

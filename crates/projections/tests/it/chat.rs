@@ -1,4 +1,4 @@
-//! The generic chat platform (DESIGN §4.1, §4.4, §4.7–4.9): chats `chat:{tenant}:{chat}` and their
+//! The generic chat platform: chats `chat:{tenant}:{chat}` and their
 //! threads get journals, cursors, holds, routing and mute notes like Slack; p2p chats behave like
 //! DMs. `check` folds `given`, then `when`, and shows the verdict — a routing, a claim with its plan
 //! and wake text, a send with its notice, a mute — then the agent's newest queued wake (with its

@@ -1,4 +1,4 @@
-//! Per-surface journals (DESIGN §4.1–4.2): which observations become rows, on which surface,
+//! Per-surface journals: which observations become rows, on which surface,
 //! with which ordinal, and which deliveries of one message are the same row.
 //!
 //! `check` renders what the fold recorded for the `when` observation, then every journal's rows

@@ -1,4 +1,4 @@
-//! Linear agent sessions (DESIGN §4.1, §4.5, §4.6, §4.8): `created` and `prompted` receipts wake
+//! Linear agent sessions: `created` and `prompted` receipts wake
 //! the receiving agent with the session as reply target, the first receipt wins, a `stop` removes
 //! the session's queued input, and responses follow the key / activity-id protocol. `check` folds
 //! `given`, then `when`, and shows the verdict (with the wake text for a claim), then the agent's

@@ -1,4 +1,4 @@
-//! Memory passes ("Dreaming", DESIGN §4.10) as an operator and an agent notice them: one pass per
+//! Memory passes ("Dreaming") as an operator and an agent notice them: one pass per
 //! agent and local window-day through DST changes, `maxConcurrent` with any number of engine
 //! instances, outcomes from the runtime's digests, a plan that says why, requests judged by log
 //! time, and the wake text of a pass.
@@ -631,7 +631,7 @@ fn lord_howe_half_hour_dst_changes_keep_one_pass_a_day() {
     );
 }
 
-/// DESIGN §4.10 read literally: the latest slot at or before now is due, and an agent is
+/// Read literally: the latest slot at or before now is due, and an agent is
 /// eligible while its history is newer than its last outcome. So a window-day whose slot found
 /// nothing new stays due until the next slot, and the first history after it queues that day's
 /// pass at once, outside the window; the next slot then finds nothing newer than that outcome.
@@ -1234,7 +1234,7 @@ fn one_agents_status_agrees_with_the_plan_and_answers_by_the_folds_own_limit_rul
 }
 
 // ---------------------------------------------------------------------------------------------
-// Guards (DESIGN §4.12).
+// Guards.
 
 #[test]
 fn a_running_memory_pass_is_sealed_no_send_and_no_linear_response() {

@@ -1,4 +1,4 @@
-//! The redacted view and analytics (DESIGN §3.4, §4.11): derived from the content marking of the
+//! The redacted view and analytics: derived from the content marking of the
 //! stored schema, with no content at all — every event kind, filled with unique markers in every
 //! content field, leaves no marker in any redacted output — and the counts and figures analytics
 //! computes from redacted events and the fold's verdicts.

@@ -1,4 +1,4 @@
-//! Routing, subscriptions and mute suggestions (DESIGN §4.4, §4.9), decided by the fold for every
+//! Routing, subscriptions and mute suggestions, decided by the fold for every
 //! observation and receiving agent. `check` folds `given`, then `when` (a message), and shows how
 //! it was routed, the wake's note if it got one, and the agent's subscriptions after it.
 

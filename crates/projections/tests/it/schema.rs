@@ -1,4 +1,4 @@
-//! The content marking of the stored schema (DESIGN §3.4): every string field of package
+//! The content marking of the stored schema: every string field of package
 //! `anima.v1` that can be stored says explicitly whether it can carry user content,
 //! `(anima.v1.content) = true` or `false`. Analytics redaction is derived from that marking, so a
 //! field left unmarked fails here with its full name.

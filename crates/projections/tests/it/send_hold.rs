@@ -1,4 +1,4 @@
-//! The send hold (DESIGN §4.7), rule by rule: before every post the agent asks, and the fold
+//! The send hold, rule by rule: before every post the agent asks, and the fold
 //! decides at the request's place in the log from the agent's cursor on the outbound surface.
 //!
 //! `check` renders the verdict as `allowed`/`held` with the cursor move (read back from state)

@@ -1,4 +1,4 @@
-//! The thin wake path (DESIGN §4.4–4.6 for DMs): a human's DM queues a `dm` wake; a claim
+//! The thin wake path for DMs: a human's DM queues a `dm` wake; a claim
 //! prepares the plan and the wake text and moves nothing; a start moves the plan's cursors only
 //! while the plan is fresh; a finish settles or, on a restart drain, re-queues.
 //!
@@ -540,7 +540,7 @@ fn after_a_stale_start_the_covered_items_settle_without_a_turn() {
     );
 }
 
-/// DESIGN §4.5: "at most 4,096 remembered per agent" — the bound is kept by a per-agent order of
+/// "At most 4,096 remembered per agent" — the bound is kept by a per-agent order of
 /// settled ids. Items settled by one claim share one log seq, and each must stay in that order,
 /// or it is never forgotten and the bound's count drifts from what is remembered.
 #[test]
@@ -779,7 +779,7 @@ fn a_redelivery_after_fourteen_days_of_log_time_wakes_again() {
     );
 }
 
-/// DESIGN §4.6: 16,384 bytes for the whole rendered text, fencing included; the trigger is always
+/// 16,384 bytes for the whole rendered text, fencing included; the trigger is always
 /// shown. A message of many short lines must not push a wake over the budget.
 #[test]
 fn a_trigger_of_many_short_lines_stays_within_the_budget() {

@@ -1,4 +1,4 @@
-//! Wake text (DESIGN §4.6): the budget of 20 rows and 16,384 bytes for the whole text, clipping
+//! Wake text: the budget of 20 rows and 16,384 bytes for the whole text, clipping
 //! that never splits a code point, newest-first selection with the trigger always included, and
 //! fencing that no hostile message can break.
 
