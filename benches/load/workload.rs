@@ -183,13 +183,12 @@ impl Fleet {
             }[(spread >> 8) as usize % 2];
             let surface = self.surface_of_kind(wanted, spread >> 16);
             let agent = &self.agents[surface.agent];
-            let mention = (spread >> 40) % 6 == 0;
+            let mention = (spread >> 40).is_multiple_of(6);
             let human = format!("U{:08}", (spread >> 24) % 500);
             match surface.kind {
                 SurfaceKind::SlackDm | SurfaceKind::SlackChannel => {
                     let mention = mention && surface.kind == SurfaceKind::SlackChannel;
-                    let text =
-                        if mention { format!("<@{}> {text}", agent.slack_bot_user_id) } else { text.to_owned() };
+                    let text = if mention { format!("<@{}> {text}", agent.slack_bot_user_id) } else { text.to_owned() };
                     let kind =
                         if mention { api::SlackDeliveryKind::AppMention } else { api::SlackDeliveryKind::Message };
                     api::append_request::Observation::SlackMessage(api::SlackMessage {
@@ -225,7 +224,7 @@ impl Fleet {
             // Rounds of the mix: a round ≡ 0 (mod 3) prompts the session the previous round
             // (≡ 2, a created one) made with the same slot; the others create sessions.
             let round = n / MIX_PERIOD;
-            let prompted = round % 3 == 0 && round > 0;
+            let prompted = round.is_multiple_of(3) && round > 0;
             let session_n = if prompted { n - MIX_PERIOD } else { n };
             let agent = &self.agents[(session_n / MIX_PERIOD) as usize % self.agents.len()];
             let kind =
@@ -398,7 +397,9 @@ async fn one_append_stream(
         while let Some(answer) = answers.message().await? {
             let Some(sent) = sent_at_rx.recv().await else { break };
             match answer.result {
-                Some(api::append_stream_response::Result::Appended(_)) => recorder.ok(Rpc::AppendStream, sent.elapsed()),
+                Some(api::append_stream_response::Result::Appended(_)) => {
+                    recorder.ok(Rpc::AppendStream, sent.elapsed())
+                }
                 Some(api::append_stream_response::Result::Error(error)) => {
                     recorder.error(Rpc::AppendStream, Code::from(error.code))
                 }
@@ -458,7 +459,8 @@ pub async fn runtime_loop(
             }
         }
         claimable = false;
-        let claim = api::ClaimRequest { agent_id: agent_id.clone(), worker_id: worker_id.clone(), ..Default::default() };
+        let claim =
+            api::ClaimRequest { agent_id: agent_id.clone(), worker_id: worker_id.clone(), ..Default::default() };
         let Some(claimed) = timed(&recorder, Rpc::Claim, wakes.claim(claim)).await else { continue };
         let Some(wake) = claimed.wake else {
             fleet.claims_empty.fetch_add(1, Ordering::Relaxed);
