@@ -1,4 +1,4 @@
-//! The access matrix of DESIGN §6, end to end: every RPC of every service the server has, called
+//! The access matrix (roles × RPCs), end to end: every RPC of every service the server has, called
 //! by every kind of caller — connector, runtime scoped to ada, replay, analytics, admin, a wrong
 //! token and no token — against the real binary. The expected answer of each (caller, RPC) is
 //! written out below from the design, not derived from the server's own matrix; a refused call
@@ -84,10 +84,11 @@ enum Rpc {
     AnalyticsTap,
     HealthCheck,
     ReflectionInfo,
+    ReflectionInfoV1alpha,
 }
 
 impl Rpc {
-    const ALL: [Rpc; 25] = [
+    const ALL: [Rpc; 26] = [
         Rpc::IngestAppend,
         Rpc::IngestAppendRegistration,
         Rpc::IngestAppendStream,
@@ -113,6 +114,7 @@ impl Rpc {
         Rpc::AnalyticsTap,
         Rpc::HealthCheck,
         Rpc::ReflectionInfo,
+        Rpc::ReflectionInfoV1alpha,
     ];
 
     fn path(self) -> &'static str {
@@ -140,6 +142,7 @@ impl Rpc {
             Rpc::AnalyticsTap => "/anima.v1.Analytics/Tap",
             Rpc::HealthCheck => "/grpc.health.v1.Health/Check",
             Rpc::ReflectionInfo => "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            Rpc::ReflectionInfoV1alpha => "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
         }
     }
 
@@ -168,7 +171,7 @@ enum Expect {
     PastAuth,
 }
 
-/// The matrix of DESIGN §6, written from the design: `agent` is the agent the request acts for.
+/// The matrix, written from the design (README: roles): `agent` is the agent the request acts for.
 fn expected(caller: Caller, rpc: Rpc, agent: &str) -> Expect {
     use Expect::*;
     let service = rpc.service();
@@ -180,7 +183,7 @@ fn expected(caller: Caller, rpc: Rpc, agent: &str) -> Expect {
         Caller::WrongToken | Caller::NoToken => return Unauthenticated,
         Caller::Admin => true,
         // Reflection describes the schema; any valid token may read it.
-        _ if service == "grpc.reflection.v1.ServerReflection" => true,
+        _ if service.starts_with("grpc.reflection.") => true,
         // Registering agents changes configuration that drives decisions: admin only.
         _ if rpc.is_registration() => false,
         Caller::Connector => service == "anima.v1.Ingest" || rpc == Rpc::SendsConfirm,
@@ -389,6 +392,20 @@ async fn call(channel: &Channel, caller: Caller, rpc: Rpc, agent: &str) -> Code 
                     Err(status) => status.code(),
                 }
             }
+            Rpc::ReflectionInfoV1alpha => {
+                use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+                use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest;
+                use tonic_reflection::pb::v1alpha::ServerReflectionRequest;
+                let mut reflection = ServerReflectionClient::with_interceptor(channel.clone(), token.clone());
+                let request = ServerReflectionRequest {
+                    host: String::new(),
+                    message_request: Some(MessageRequest::ListServices(String::new())),
+                };
+                match reflection.server_reflection_info(tokio_stream::iter(vec![request])).await {
+                    Ok(response) => code_of(response.into_inner().next().await.unwrap_or(Ok(Default::default()))),
+                    Err(status) => status.code(),
+                }
+            }
         }
     };
     tokio::time::timeout(Duration::from_secs(30), answer)
@@ -420,6 +437,7 @@ fn served_rpcs() -> BTreeSet<String> {
         .collect();
     rpcs.insert("/grpc.health.v1.Health/Check".into());
     rpcs.insert("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo".into());
+    rpcs.insert("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo".into());
     rpcs
 }
 
@@ -477,4 +495,22 @@ async fn every_caller_gets_exactly_what_the_matrix_allows_and_refusals_append_no
     assert!(wrong.is_empty(), "allowed calls were refused:\n{}", wrong.join("\n"));
     // The admin's registration went through: carol is an agent now.
     assert!(last_seq(&channel).await > before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_auth_scheme_is_case_insensitive_and_other_schemes_are_refused() {
+    // Given a server with tokens,
+    let server = Server::start(Backend::Embedded);
+    let channel = server.channel().await;
+    let plan = |scheme: &str| {
+        let token = As(Some(format!("{scheme} {ADMIN_TOKEN}").parse().expect("a header value")));
+        let mut memory = api::memory_client::MemoryClient::with_interceptor(channel.clone(), token);
+        async move { code_of(memory.plan(api::MemoryPlanRequest::default()).await) }
+    };
+    // when a client spells the scheme in any case, the token is accepted (RFC 9110 §11.1);
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        assert_eq!(plan(scheme).await, Code::Ok, "scheme {scheme:?}");
+    }
+    // another scheme is not a bearer token.
+    assert_eq!(plan("Basic").await, Code::Unauthenticated);
 }

@@ -102,7 +102,7 @@ pub struct Server {
     _nats: Option<NatsServer>,
 }
 
-fn binary() -> PathBuf {
+pub fn binary() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
     let binary = dir.join(format!("anima-wake{}", std::env::consts::EXE_SUFFIX));

@@ -57,3 +57,26 @@ async fn message_bounds_on_the_embedded_log() {
 async fn message_bounds_on_jetstream() {
     scenario(Backend::JetStream).await;
 }
+
+/// A log filter that does not parse stops start-up naming the variable (it is not silently
+/// `info`), and the error reads as one line even with `RUST_BACKTRACE=1`.
+#[test]
+fn a_bad_log_filter_is_refused_in_one_readable_line() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = std::process::Command::new(binary())
+        .arg("serve")
+        .arg("--data")
+        .arg(dir.path())
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .env_remove("ANIMA_LOG")
+        .env("RUST_LOG", "info,[[[")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("run anima-wake");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("RUST_LOG: not a log filter"), "{stderr}");
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}

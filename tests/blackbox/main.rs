@@ -2,6 +2,7 @@
 //! clients, on both log backends.
 
 mod access;
+mod bad_input;
 mod chat;
 mod fixture;
 mod limits;

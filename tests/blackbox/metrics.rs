@@ -102,6 +102,13 @@ async fn metrics_count_sends_wakes_refusals_appends_and_the_fold_lag() {
         (r#"anima_grpc_refused_total{rpc="/anima.v1.Sends/Send",code="permission_denied"}"#, 2.0),
         (r#"anima_grpc_refused_total{rpc="/anima.v1.Ingest/Append",code="unauthenticated"}"#, 1.0),
         (r#"anima_grpc_refused_total{rpc="/anima.v1.Ingest/Append",code="invalid_argument"}"#, 1.0),
+        // Every call, by the usual gRPC server metric names.
+        (
+            r#"grpc_server_handled_total{grpc_service="anima.v1.Sends",grpc_method="Send",grpc_code="PERMISSION_DENIED"}"#,
+            2.0,
+        ),
+        (r#"grpc_server_handled_total{grpc_service="anima.v1.Wakes",grpc_method="Claim",grpc_code="OK"}"#, 1.0),
+        (r#"grpc_server_handling_seconds_count{grpc_service="anima.v1.Wakes",grpc_method="Claim"}"#, 1.0),
     ];
     for (series, want) in expected {
         assert_eq!(value(&after, series), want, "{series} in {after:#?}");

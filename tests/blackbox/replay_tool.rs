@@ -95,3 +95,33 @@ async fn the_tool_on_an_embedded_data_dir_answers_like_the_api() {
 async fn the_tool_on_a_jetstream_stream_answers_like_the_api() {
     direct_reads_answer_like_the_api(Backend::JetStream).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_on_a_held_data_dir_reads_through_the_server_holding_it_or_refuses() {
+    // Given a server on a random port (not the default one) holding its data dir,
+    let server = Server::start(Backend::Embedded);
+    incident(&server).await;
+    let data = server.data_dir();
+    let data = data.to_str().expect("a UTF-8 temp path");
+    let export = |source: &[&str]| {
+        let mut args = vec!["replay"];
+        args.extend_from_slice(source);
+        args.extend_from_slice(&["--token", REPLAY_TOKEN, "--progress", "off", "export", "--format", "jsonl"]);
+        Server::run_tool(&args)
+    };
+    let api_url = format!("http://{}", server.addr);
+    let (ok, through_api, stderr) = export(&["--api", &api_url]);
+    assert!(ok, "{stderr}");
+    // when the tool is pointed at the dir, it reads through that server's API and says so;
+    let (ok, through_dir, stderr) = export(&["--data", data]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains(&format!("going through its API at {api_url}")), "{stderr}");
+    assert_eq!(through_dir, through_api);
+    // when the dir does not say where its server listens, the tool refuses with the reason and
+    // exports nothing.
+    std::fs::remove_file(server.data_dir().join(anima_gateway::server::SERVING_FILE)).expect("remove the record");
+    let (ok, stdout, stderr) = export(&["--data", data]);
+    assert!(!ok, "{stdout}");
+    assert_eq!(stdout, "");
+    assert!(stderr.contains("has not said where it listens") && stderr.contains("--api"), "{stderr}");
+}

@@ -7,6 +7,8 @@ use anima_projections::state::{State, FOLD_VERSION};
 
 /// Prefix of state entries; the rest of the key is the state's own checkpoint key.
 pub const STATE_PREFIX: u8 = b's';
+/// Prefix of the maintained analytics counters (one entry per time bucket).
+pub const ANALYTICS_PREFIX: u8 = b'a';
 /// The fold version the checkpoint was taken by (big-endian u32).
 pub const FOLD_VERSION_KEY: &[u8] = b"m:fold_version";
 /// The identity of the stream the checkpoint was taken on.
@@ -82,11 +84,34 @@ impl CheckpointStore {
         .map_err(|e| CheckpointError::Task(e.to_string()))?
     }
 
-    /// Writes changed entries, the fold version and the stream identity in one batch, flushed.
+    /// The maintained analytics counters of the checkpoint (call after [`CheckpointStore::restore`],
+    /// which clears a checkpoint it cannot use, counters included).
+    pub async fn restore_analytics(&self) -> Result<crate::analytics::MaintainedAnalytics, CheckpointError> {
+        let tree = self.tree.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut analytics = crate::analytics::MaintainedAnalytics::default();
+            for entry in tree.scan_prefix([ANALYTICS_PREFIX]) {
+                let (key, value) = entry?;
+                if let Err(reason) = analytics.load_entry(&key[1..], &value) {
+                    return Err(CheckpointError::Decode(anima_projections::state::CheckpointDecodeError {
+                        table: "analytics",
+                        reason,
+                    }));
+                }
+            }
+            Ok(analytics)
+        })
+        .await
+        .map_err(|e| CheckpointError::Task(e.to_string()))?
+    }
+
+    /// Writes changed entries (state and analytics counters), the fold version and the stream
+    /// identity in one batch, flushed.
     pub async fn write(
         &self,
         stream_identity: &str,
         changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+        analytics_changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     ) -> Result<(), CheckpointError> {
         if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(CheckpointError::Injected);
@@ -96,9 +121,13 @@ impl CheckpointStore {
         let stream_identity = stream_identity.to_owned();
         tokio::task::spawn_blocking(move || {
             let mut batch = sled::Batch::default();
-            for (key, value) in changes {
+            let prefixed = changes
+                .into_iter()
+                .map(|change| (STATE_PREFIX, change))
+                .chain(analytics_changes.into_iter().map(|change| (ANALYTICS_PREFIX, change)));
+            for (prefix, (key, value)) in prefixed {
                 let mut full = Vec::with_capacity(key.len() + 1);
-                full.push(STATE_PREFIX);
+                full.push(prefix);
                 full.extend(key);
                 match value {
                     Some(value) => batch.insert(full, value),

@@ -20,6 +20,7 @@ use bytes::Bytes;
 use prost::Message;
 use uuid::Uuid;
 
+use crate::clock::{Clock, SystemClock};
 use crate::log::{AppendOutcome, AppendRecord, EventLog, LogError};
 use crate::projection::Projection;
 use crate::subject;
@@ -65,11 +66,31 @@ pub struct EngineConfig {
     pub verdict_wait: Duration,
     /// Source name stamped on appended envelopes.
     pub source: String,
+    /// How long a claim may wait for its start (log time; a heartbeat extends it), carried in
+    /// every claim request so the fold judges it with the log's time (`[wakes]
+    /// claim_lease_seconds`, default 300 s). Whole seconds, 1 s up to a day.
+    pub claim_lease: Duration,
+    /// "Now" outside the log: the heartbeat rate limit and the recovery loop's candidates. The
+    /// instance sets its own clock here.
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { verdict_wait: Duration::from_secs(10), source: "anima-wake".into() }
+        EngineConfig {
+            verdict_wait: Duration::from_secs(10),
+            source: "anima-wake".into(),
+            claim_lease: Duration::from_secs(u64::from(anima_projections::wake::CLAIM_LEASE_DEFAULT_SECONDS)),
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The claim lease in whole seconds, within the bounds the fold accepts.
+    pub fn claim_lease_seconds(&self) -> u32 {
+        let seconds = u32::try_from(self.claim_lease.as_secs()).unwrap_or(u32::MAX);
+        seconds.clamp(1, anima_projections::wake::CLAIM_LEASE_MAX_SECONDS)
     }
 }
 
@@ -79,9 +100,10 @@ pub struct Engine {
     log: Arc<dyn EventLog>,
     projection: Arc<Projection>,
     config: EngineConfig,
-    /// When this instance last appended a heartbeat per (agent, item), to append at most one a
-    /// minute. Bounded: entries older than the interval are dropped when it grows.
-    heartbeats: Arc<std::sync::Mutex<std::collections::BTreeMap<(String, String), std::time::Instant>>>,
+    /// When this instance last appended a heartbeat per (agent, item), by its clock (unix ns), to
+    /// append at most one a minute. Bounded: entries older than the interval are dropped when it
+    /// grows.
+    heartbeats: Arc<std::sync::Mutex<std::collections::BTreeMap<(String, String), i64>>>,
 }
 
 /// Heartbeats appended per item at most this often; more frequent ones are acknowledged only.
@@ -233,7 +255,7 @@ impl Engine {
         if self.projection.state().agents.contains_key(&agent.to_owned()) {
             Ok(())
         } else {
-            Err(invalid(field, format!("unknown agent {agent:?}")))
+            Err(invalid(field, format!("unknown agent {}", validate::echo(agent))))
         }
     }
 
@@ -540,7 +562,7 @@ impl Engine {
                 let bodies = self.row_bodies(&held.shown).await?;
                 let rows: Vec<(&RowMeta, &RowBody)> =
                     held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
-                Some(render::render_held_notice(&request.agent_id, held.new_messages, held.omitted, &rows))
+                Some(render::render_held_notice(&request.agent_id, held.kind, held.new_messages, held.omitted, &rows))
             }
         };
         Ok(SendDecision { seq: outcome.seq(), verdict, notice })
@@ -600,6 +622,7 @@ impl Engine {
             validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         }
         let event_id = Self::request_event_id(request_id)?;
+        let request = proto::WakeClaimRequested { claim_lease_seconds: self.config.claim_lease_seconds(), ..request };
         let envelope = self.envelope(event_id, 0, Payload::WakeClaim(request.clone()));
         let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
         match verdict {
@@ -647,7 +670,10 @@ impl Engine {
         }
         for entry in &request.plan {
             if SurfaceId::parse(&entry.surface).is_none() {
-                return Err(invalid("plan.surface", format!("{:?} is not a surface key", entry.surface)));
+                return Err(invalid(
+                    "plan.surface",
+                    format!("{} is not a surface key", validate::echo(&entry.surface)),
+                ));
             }
         }
         let event_id = Self::request_event_id(request_id)?;
@@ -669,6 +695,8 @@ impl Engine {
         validate::id("worker_id", &request.worker_id)?;
         validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         validate::bounded("reason", &request.reason, validate::REASON_BYTES_MAX)?;
+        validate::memory_digest("memory_digest_before", &request.memory_digest_before)?;
+        validate::memory_digest("memory_digest_after", &request.memory_digest_after)?;
         match proto::WakeOutcome::try_from(request.outcome) {
             Ok(proto::WakeOutcome::Unspecified) | Err(_) => {
                 return Err(invalid("outcome", "must be COMPLETED, FAILED or ABORTED"))
@@ -692,22 +720,26 @@ impl Engine {
 }
 
 impl Engine {
-    /// Records that the runtime still works on a running wake. Returns whether a heartbeat was
-    /// appended (false: one was appended by this instance less than a minute ago).
+    /// Records that the runtime still works on a claimed or running wake (extending a claim's
+    /// lease). Returns whether a heartbeat was appended (false: one was appended by this
+    /// instance less than a minute ago, by its clock).
     pub async fn heartbeat(&self, request: proto::WakeHeartbeat) -> Result<bool, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         validate::id("worker_id", &request.worker_id)?;
         validate::bounded("item_id", &request.item_id, validate::ITEM_ID_BYTES_MAX)?;
         let key = (request.agent_id.clone(), request.item_id.clone());
         {
+            let now_ns = self.config.clock.now_ns();
+            let interval_ns = i64::try_from(HEARTBEAT_INTERVAL.as_nanos()).unwrap_or(i64::MAX);
+            let recent = |at_ns: &i64| now_ns.saturating_sub(*at_ns) < interval_ns;
             let mut heartbeats = self.heartbeats.lock().unwrap_or_else(|p| p.into_inner());
-            if heartbeats.get(&key).is_some_and(|at| at.elapsed() < HEARTBEAT_INTERVAL) {
+            if heartbeats.get(&key).is_some_and(recent) {
                 return Ok(false);
             }
             if heartbeats.len() >= HEARTBEATS_REMEMBERED_MAX {
-                heartbeats.retain(|_, at| at.elapsed() < HEARTBEAT_INTERVAL);
+                heartbeats.retain(|_, at_ns| recent(at_ns));
             }
-            heartbeats.insert(key, std::time::Instant::now());
+            heartbeats.insert(key, now_ns);
         }
         let envelope = self.envelope(Uuid::now_v7().to_string(), 0, Payload::WakeHeartbeat(request.clone()));
         let subject = format!("{}.hb", subject::agent_subject(&request.agent_id));
@@ -753,32 +785,41 @@ impl Engine {
     }
 
     /// Asks the fold to re-queue running wakes whose last sign of life (log time) is older than
-    /// the silence bound by this instance's clock; the fold re-checks with the log's time. The
-    /// request id is derived from the wake's last sign of life, so instances asking at once
-    /// append one request. Returns how many were recovered.
+    /// the silence bound, and claimed wakes never started within their lease, by this
+    /// instance's clock; the fold re-checks with the log's time. The request id is derived from
+    /// the wake's last sign of life, so instances asking at once append one request. Returns how
+    /// many were recovered.
     pub async fn recover_silent_wakes(&self, now_ns: i64) -> Result<usize, CommandError> {
-        let candidates: Vec<(String, String, i64)> = {
+        let candidates: Vec<(String, String, i64, bool)> = {
             let state = self.projection.state();
             state
                 .queues
                 .iter()
                 .filter_map(|(agent, queue)| queue.active.as_ref().map(|active| (agent, active)))
-                .filter(|(_, active)| active.started_seq.is_some())
-                .filter(|(_, active)| {
-                    now_ns.saturating_sub(active.last_alive_ns) >= anima_projections::wake::HEARTBEAT_SILENCE_NS
+                .filter(|(_, active)| match active.started_seq {
+                    Some(_) => {
+                        now_ns.saturating_sub(active.last_alive_ns) >= anima_projections::wake::HEARTBEAT_SILENCE_NS
+                    }
+                    None => active.claim_lease_expired(now_ns),
                 })
-                .map(|(agent, active)| (agent.clone(), active.item.id.clone(), active.last_alive_ns))
+                .map(|(agent, active)| {
+                    (agent.clone(), active.item.id.clone(), active.last_alive_ns, active.started_seq.is_some())
+                })
                 .collect()
         };
         let mut recovered = 0;
-        for (agent, item, last_alive_ns) in candidates {
-            let key = format!("recover\0{agent}\0{item}\0{last_alive_ns}");
+        for (agent, item, last_alive_ns, started) in candidates {
+            let key = format!("recover\0{agent}\0{item}\0{last_alive_ns}\0{started}");
             let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
             let request = proto::WakeRecoveryRequested { agent_id: agent.clone(), item_id: item.clone() };
             let envelope = self.envelope(event_id, 0, Payload::WakeRecovery(request));
             match self.append_and_decide(subject::agent_subject(&agent), &envelope).await {
-                Ok((_, Verdict::Recovered { .. })) => {
+                Ok((_, Verdict::Recovered { started: true, .. })) => {
                     tracing::warn!(agent = %agent, item = %item, "re-queued a running wake whose heartbeat went silent");
+                    recovered += 1;
+                }
+                Ok((_, Verdict::Recovered { started: false, .. })) => {
+                    tracing::warn!(agent = %agent, item = %item, "re-queued a claimed wake never started within its lease");
                     recovered += 1;
                 }
                 Ok(_) | Err(CommandError::Refused(_)) => {}

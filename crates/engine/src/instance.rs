@@ -40,7 +40,8 @@ pub struct InstanceConfig {
     pub engine: EngineConfig,
     /// How long start-up waits for the projection to catch up with the log.
     pub catch_up_wait: Duration,
-    /// How often the recovery loop looks for running wakes whose heartbeat went silent.
+    /// How often the recovery loop looks for running wakes whose heartbeat went silent and
+    /// claims never started within their lease (`[wakes] recovery_tick_seconds`, default 30 s).
     pub recovery_interval: Duration,
     /// Told how long every append took (the gateway's metrics); none: appends are not timed.
     pub append_observer: Option<Arc<dyn AppendObserver>>,
@@ -63,7 +64,7 @@ impl InstanceConfig {
             runner: RunnerConfig::default(),
             engine: EngineConfig::default(),
             catch_up_wait: Duration::from_secs(3600),
-            recovery_interval: Duration::from_secs(60),
+            recovery_interval: Duration::from_secs(30),
             append_observer: None,
             memory: None,
             // Off unless asked for: the gateway turns it on from its configuration.
@@ -133,7 +134,10 @@ impl Instance {
         let last = log.last_seq().await?;
         tracing::info!(from = projection.applied_seq(), to = last, backend = backend_name, "catching up with the log");
         projection.wait_applied(last, config.catch_up_wait).await.map_err(|e| InstanceError::CatchUp(e.to_string()))?;
-        let engine = Engine::new(log, projection, config.engine);
+        // One clock for the instance: the engine's heartbeat rate limit reads the same "now" as
+        // its loops.
+        let engine_config = EngineConfig { clock: config.clock.clone(), ..config.engine };
+        let engine = Engine::new(log, projection, engine_config);
         if let Some(memory) = &config.memory {
             if engine.sync_memory_config(memory).await.map_err(|e| InstanceError::CatchUp(e.to_string()))? {
                 tracing::info!("memoryCoherence configuration appended to the log");

@@ -2,6 +2,7 @@
 //! projection runner with sled checkpoints, and the command handlers that append a request and
 //! wait for the fold's verdict.
 
+pub mod analytics;
 pub mod checkpoint;
 pub mod clock;
 pub mod command;

@@ -18,6 +18,7 @@ use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::analytics::MaintainedAnalytics;
 use crate::checkpoint::CheckpointStore;
 use crate::log::{EventLog, LogError, StoredRecord};
 
@@ -71,6 +72,8 @@ impl BodyCache {
 /// The state shared by the runner and the command handlers.
 pub struct Projection {
     state: Mutex<State>,
+    /// Analytics counters, updated with the fold (locked after `state` when both are held).
+    analytics: Mutex<MaintainedAnalytics>,
     bodies: Mutex<BodyCache>,
     /// The newest log sequence the runner has handed to the fold.
     applied: watch::Sender<u64>,
@@ -97,6 +100,11 @@ impl Projection {
     /// across an await.
     pub fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The maintained analytics counters. Keep the guard short.
+    pub fn analytics(&self) -> MutexGuard<'_, MaintainedAnalytics> {
+        self.analytics.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub fn applied_seq(&self) -> u64 {
@@ -197,11 +205,13 @@ impl Runner {
     ) -> Result<Runner, RunnerError> {
         let stream_identity = log.identity();
         let state = checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
         let (applied, _) = watch::channel(start_seq);
         let projection = Arc::new(Projection {
             state: Mutex::new(state),
+            analytics: Mutex::new(analytics),
             bodies: Mutex::new(BodyCache { bytes_max: config.body_cache_bytes_max, ..BodyCache::default() }),
             applied,
             stopped: watch::channel(None).0,
@@ -268,7 +278,7 @@ async fn run(
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
         }
         if due && writing.is_none() {
-            let changes = projection.state().drain_changes();
+            let changes = drain_changes(&projection);
             let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.clone());
             writing =
                 Some(tokio::spawn(async move { write_checkpoint(&checkpoints, &stream_identity, changes).await }));
@@ -279,7 +289,7 @@ async fn run(
     if let Some(writing) = writing {
         writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
     }
-    let changes = projection.state().drain_changes();
+    let changes = drain_changes(&projection);
     write_checkpoint(&checkpoints, &stream_identity, changes).await?;
     tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
@@ -289,6 +299,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
     let last = {
         let mut state = projection.state();
+        let mut analytics = projection.analytics();
         for record in batch {
             let at = LogPosition { seq: record.seq, at_ns: record.timestamp_ns };
             match proto::Envelope::decode(record.payload.as_ref()) {
@@ -300,6 +311,8 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 }
                 Err(_) => state.apply_bytes(at, record.payload.as_ref()),
             }
+            let verdict = state.verdict(record.seq);
+            analytics.observe(record.seq, record.timestamp_ns, &record.subject, &record.payload, verdict);
         }
         batch.last().map(|r| r.seq)
     };
@@ -314,10 +327,21 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     }
 }
 
+/// Changed checkpoint entries: (state, analytics counters).
+type Changes = (Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<(Vec<u8>, Option<Vec<u8>>)>);
+
+/// Drains both change sets at one point of the fold (only the runner applies, and it is here),
+/// so the checkpoint's counters cover exactly the events its state has applied.
+fn drain_changes(projection: &Projection) -> Changes {
+    let state = projection.state().drain_changes();
+    let analytics = projection.analytics().drain_changes();
+    (state, analytics)
+}
+
 async fn write_checkpoint(
     checkpoints: &CheckpointStore,
     stream_identity: &str,
-    changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    (changes, analytics): Changes,
 ) -> Result<(), RunnerError> {
-    checkpoints.write(stream_identity, changes).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
+    checkpoints.write(stream_identity, changes, analytics).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }

@@ -23,10 +23,13 @@ use std::time::{Duration, Instant};
 
 use anima_projections::journal::RowMeta;
 use anima_projections::proto::{self, envelope::Payload};
+use anima_projections::redact::refusal_name;
 use anima_projections::redact::{AnalyticsCounts, RedactedEvent, RedactedOutcome, Redactor, TimeBucket};
 use anima_projections::state::{Halt, FOLD_VERSION};
+use anima_projections::subscription::Route;
 use anima_projections::surface::SurfaceId;
-use anima_projections::verdict::Verdict;
+use anima_projections::verdict::{ClaimVerdict, SendVerdict, Verdict};
+use anima_projections::wake::NotQueued;
 use anima_projections::{LogPosition, State};
 use futures::stream::{self, BoxStream, StreamExt};
 use prost::Message;
@@ -221,7 +224,9 @@ pub struct CursorFacts {
     pub tail: u64,
     /// Rows after the cursor that the fold still keeps, oldest first.
     pub rows_after_cursor: Vec<RowMeta>,
-    /// Of those, written by someone other than the agent.
+    /// New (foreign) rows after the cursor, as the fold counted them for its verdict (the
+    /// agent's own rows are not new to it); for an explanation without a send verdict, the
+    /// foreign rows among those kept.
     pub foreign_rows_after_cursor: u64,
 }
 
@@ -474,12 +479,23 @@ impl Replayer {
                 halt.seq, halt.reason
             ));
         }
-        match proto::Envelope::decode(record.payload.as_ref()) {
-            Ok(envelope) => explain_payload(&before.state, &envelope, &mut explanation),
+        let envelope = proto::Envelope::decode(record.payload.as_ref());
+        match &envelope {
+            Ok(envelope) => describe_state_before(&before.state, envelope, &mut explanation),
             Err(e) => explanation.facts.push(format!("the event does not decode ({e}): the fold stops here")),
         }
         before.state.apply_bytes(LogPosition { seq, at_ns: record.timestamp_ns }, &record.payload);
         explanation.verdict = before.state.verdict(seq).cloned();
+        if let (Ok(envelope), Some(verdict)) = (&envelope, explanation.verdict.clone()) {
+            explain_verdict(envelope, &verdict, &mut explanation);
+            // The cursor facts count new rows as the fold did: its verdict carries the count.
+            if let (Some(cursor), Verdict::Send(send)) = (explanation.cursor.as_mut(), &verdict) {
+                cursor.foreign_rows_after_cursor = match send {
+                    SendVerdict::Held(held) => held.new_messages,
+                    SendVerdict::Allowed { .. } => 0,
+                };
+            }
+        }
         Ok(explanation)
     }
 
@@ -569,170 +585,21 @@ impl ReadCursor {
     }
 }
 
-/// The facts of one payload's decision, from the state before it.
-fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut Explanation) {
-    let facts = &mut explanation.facts;
+/// What an explanation says of the state before a decision, without deciding anything: for a
+/// send, the agent's cursor and the rows after it; for a memory-pass request, the plan the
+/// fold's own planning function gives at the request's log time.
+fn describe_state_before(state: &State, envelope: &proto::Envelope, explanation: &mut Explanation) {
     match envelope.payload.as_ref() {
         Some(Payload::Send(request)) => {
-            let agent = request.agent_id.as_str();
-            if !state.agents.contains_key(&request.agent_id) {
-                facts.push(format!("agent {agent:?} is not registered: the request is refused"));
-                return;
-            }
-            let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) else {
-                facts.push("the request names no target: it is refused".to_owned());
-                return;
-            };
-            let cursor = cursor_facts(state, agent, &surface);
-            match cursor.cursor {
-                None => facts.push(format!(
-                    "{agent} has no cursor on {surface}: a send there is allowed without looking at rows"
-                )),
-                Some(at) => {
-                    facts.push(format!("{agent}'s cursor on {surface} is {at}; the surface's tail is {}", cursor.tail));
-                    let after = cursor.tail.saturating_sub(at);
-                    let kept = cursor.rows_after_cursor.len() as u64;
-                    if after > kept {
-                        facts.push(format!(
-                            "{after} rows are after the cursor; the fold keeps the metadata of the newest {kept}"
-                        ));
-                    }
-                    let last_foreign = state.journal(&surface).map_or(0, |j| j.last_foreign_ordinal(agent));
-                    if last_foreign > at {
-                        let foreign: Vec<String> = cursor
-                            .rows_after_cursor
-                            .iter()
-                            .filter(|row| !row.is_own(agent))
-                            .map(|row| format!("#{} (seq {}, {})", row.ordinal, row.seq, author(row)))
-                            .collect();
-                        facts.push(format!(
-                            "the newest foreign row is #{last_foreign}, after the cursor: foreign rows after it: {}",
-                            foreign.join(", ")
-                        ));
-                        facts.push(format!("so the send is held and the cursor passes the tail {}", cursor.tail));
-                    } else if after > 0 {
-                        facts.push(format!(
-                            "the {after} rows after the cursor are {agent}'s own: the send is allowed and the \
-                             cursor passes them"
-                        ));
-                    } else {
-                        facts.push("no row is after the cursor: the send is allowed".to_owned());
-                    }
-                }
-            }
-            explanation.cursor = Some(cursor);
-        }
-        Some(Payload::WakeStart(request)) => {
-            let agent = request.agent_id.as_str();
-            match state.queue(agent).and_then(|q| q.active.as_ref()) {
-                None => facts.push(format!("{agent} has no claimed wake: the start is refused")),
-                Some(active) => {
-                    facts.push(format!(
-                        "{agent}'s active wake is {} by worker {} (claimed at seq {}{})",
-                        active.item.id,
-                        active.worker,
-                        active.claimed_seq,
-                        active.started_seq.map(|s| format!(", started at seq {s}")).unwrap_or_default()
-                    ));
-                    if active.item.id != request.item_id || active.worker != request.worker_id {
-                        facts.push(format!(
-                            "the request names item {} by worker {}: not the claimed one",
-                            request.item_id, request.worker_id
-                        ));
-                    }
-                }
-            }
-            for entry in &request.plan {
-                let Some(surface) = SurfaceId::parse(&entry.surface) else {
-                    facts.push(format!("plan surface {:?} is not a surface key", entry.surface));
-                    continue;
-                };
-                let expected = entry.expected_present.then_some(entry.expected_ordinal);
-                let actual = state.cursor(agent, &surface);
-                let tail = state.journal(&surface).map_or(0, |j| j.tail);
-                if expected == actual {
-                    facts.push(format!(
-                        "{surface}: the plan expected cursor {}, and it still was (tail {tail}); the start moves \
-                         it to {}",
-                        describe(expected),
-                        entry.target_ordinal
-                    ));
-                } else {
-                    facts.push(format!(
-                        "{surface}: the plan expected cursor {}, but it had moved to {}: the plan is stale",
-                        describe(expected),
-                        describe(actual)
-                    ));
-                }
-            }
-        }
-        Some(Payload::WakeClaim(request)) => {
-            let agent = request.agent_id.as_str();
-            let Some(queue) = state.queue(agent) else {
-                facts.push(format!("{agent} has no queue: nothing to claim"));
-                return;
-            };
-            if let Some(active) = &queue.active {
-                facts.push(format!("{agent} already has an active wake {}: the claim loses", active.item.id));
-                return;
-            }
-            facts.push(format!("{} wakes are queued for {agent}", queue.queued().len()));
-            for item in queue.queued() {
-                if !request.item_id.is_empty() && item.id != request.item_id {
-                    continue;
-                }
-                let cursor = state.cursor(agent, &item.trigger_surface);
-                let covered = cursor.is_some_and(|c| c >= item.trigger.ordinal);
-                if covered && !item.resume_after_restart {
-                    facts.push(format!(
-                        "{} ({}): its trigger #{} on {} is covered by the cursor {}: settled without a turn",
-                        item.id,
-                        item.reason.as_str(),
-                        item.trigger.ordinal,
-                        item.trigger_surface,
-                        describe(cursor)
-                    ));
-                } else {
-                    facts.push(format!(
-                        "{} ({}): its trigger #{} on {} is after the cursor {}{}: claimed",
-                        item.id,
-                        item.reason.as_str(),
-                        item.trigger.ordinal,
-                        item.trigger_surface,
-                        describe(cursor),
-                        if item.resume_after_restart { " (or it resumes after a restart)" } else { "" }
-                    ));
-                    break;
-                }
-            }
-        }
-        Some(Payload::WakeFinish(request)) => {
-            let agent = request.agent_id.as_str();
-            match state.queue(agent).and_then(|q| q.active.as_ref()) {
-                None => facts.push(format!("{agent} has no claimed or running wake: the finish is refused")),
-                Some(active) => {
-                    facts.push(format!(
-                        "{agent}'s active wake is {} by worker {}; the finish names {} by {}",
-                        active.item.id, active.worker, request.item_id, request.worker_id
-                    ));
-                    if active.item.memory.is_some() && !request.restart_drain {
-                        let changed = request.memory_digest_before != request.memory_digest_after;
-                        facts.push(format!(
-                            "a memory pass: the digests before and after {}",
-                            if changed {
-                                "differ (completed when the turn completed)"
-                            } else {
-                                "are equal (quiet_skipped when the turn completed)"
-                            }
-                        ));
-                    }
-                }
+            if let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) {
+                explanation.cursor = Some(cursor_facts(state, &request.agent_id, &surface));
             }
         }
         Some(Payload::MemoryPass(request)) => {
             let agent = request.agent_id.as_str();
             let plan = state.memory_plan(explanation.record.timestamp_ns);
             let gate = state.memory_gate(agent);
+            let facts = &mut explanation.facts;
             facts.push(format!(
                 "{agent}'s gate: newest history at seq {}, newest outcome at seq {} ({})",
                 gate.newest_history_seq,
@@ -754,27 +621,189 @@ fn explain_payload(state: &State, envelope: &proto::Envelope, explanation: &mut 
                 None => facts.push(format!("{agent} is neither registered nor in the scope")),
             }
         }
-        Some(Payload::SlackMessage(message)) => {
-            let surface =
-                SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-            let tail = state.journal(&surface).map_or(0, |j| j.tail);
-            facts.push(format!(
-                "delivered to {} on {surface} (tail {tail}); the agent's cursor there is {}",
-                message.receiving_agent_id,
-                describe(state.cursor(&message.receiving_agent_id, &surface))
-            ));
-        }
-        Some(Payload::ChatMessage(message)) => {
-            let surface =
-                SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
-            let tail = state.journal(&surface).map_or(0, |j| j.tail);
-            facts.push(format!(
-                "delivered to {} on {surface} (tail {tail}); the agent's cursor there is {}",
-                message.receiving_agent_id,
-                describe(state.cursor(&message.receiving_agent_id, &surface))
-            ));
-        }
         _ => {}
+    }
+}
+
+/// The facts of one decision, rendered from the verdict the fold recorded (which carries the
+/// facts its decide function used). Nothing here decides again: a rule has one copy, the fold's.
+fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &mut Explanation) {
+    let facts = &mut explanation.facts;
+    match verdict {
+        Verdict::Refused(refusal) => {
+            facts.push(format!("refused ({}): {}", refusal_name(refusal.kind), refusal.message));
+        }
+        Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, .. }) => {
+            let agent = agent_of(envelope);
+            facts.push(format!("{agent} has no cursor on {surface}: a send there is allowed without looking at rows"));
+        }
+        Verdict::Send(SendVerdict::Allowed { surface, cursor_before: Some(before), cursor_after }) => {
+            let agent = agent_of(envelope);
+            let after = cursor_after.unwrap_or(*before);
+            facts.push(format!("{agent}'s cursor on {surface} was {before}; the surface's tail was {after}"));
+            if after > *before {
+                facts.push(format!(
+                    "the {} rows after the cursor are {agent}'s own: the send is allowed and the cursor passes \
+                     them to {after}",
+                    after - before
+                ));
+            } else {
+                facts.push("no row is after the cursor: the send is allowed".to_owned());
+            }
+        }
+        Verdict::Send(SendVerdict::Held(held)) => {
+            let agent = agent_of(envelope);
+            facts.push(format!(
+                "{agent}'s cursor on {} was {}; the surface's tail was {}",
+                held.surface, held.cursor_before, held.tail
+            ));
+            let shown: Vec<String> =
+                held.shown.iter().map(|row| format!("#{} (seq {}, {})", row.ordinal, row.seq, author(row))).collect();
+            facts.push(format!(
+                "{} foreign rows are after the cursor ({agent}'s own rows there are not new to it); shown: {}{}",
+                held.new_messages,
+                shown.join(", "),
+                if held.omitted > 0 { format!("; {} older ones not shown", held.omitted) } else { String::new() }
+            ));
+            facts.push(format!(
+                "so the {} is held (not sent) and the cursor passes the tail {}",
+                held.kind.noun(),
+                held.tail
+            ));
+        }
+        Verdict::Started { item_id, coalesced, moved } => {
+            facts.push(format!(
+                "the start of {item_id} was accepted: every cursor of its plan still was what the claim expected"
+            ));
+            for cursor in moved {
+                facts.push(format!(
+                    "{}: the cursor moved from {} to {} (tail {})",
+                    cursor.surface,
+                    describe(cursor.before),
+                    cursor.after,
+                    cursor.tail
+                ));
+            }
+            if !coalesced.is_empty() {
+                facts.push(format!("settled without a turn, covered by the moved cursors: {}", coalesced.join(", ")));
+            }
+        }
+        Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn }) => {
+            facts.push("nothing was claimable".to_owned());
+            if !settled_without_turn.is_empty() {
+                facts.push(format!(
+                    "settled without a turn on the way, their triggers already covered by a cursor: {}",
+                    settled_without_turn.join(", ")
+                ));
+            }
+        }
+        Verdict::Claim(ClaimVerdict::Claimed(claimed)) => {
+            if !claimed.settled_without_turn.is_empty() {
+                facts.push(format!(
+                    "settled without a turn first, their triggers already covered by a cursor: {}",
+                    claimed.settled_without_turn.join(", ")
+                ));
+            }
+            facts.push(format!(
+                "{} ({}) was claimed by {}{}; its trigger #{} on {} is after the cursor",
+                claimed.item.id,
+                claimed.item.reason.as_str(),
+                claimed.worker,
+                if claimed.item.resume_after_restart { ", resuming after a restart" } else { "" },
+                claimed.item.trigger.ordinal,
+                claimed.item.trigger_surface
+            ));
+            for entry in &claimed.plan {
+                facts.push(format!(
+                    "plan: {} expects cursor {} and moves it to {}",
+                    entry.surface,
+                    describe(entry.expected),
+                    entry.target
+                ));
+            }
+        }
+        Verdict::Finished { item_id, requeued, memory_outcome } => {
+            facts.push(format!(
+                "{item_id} finished{}",
+                if *requeued { " as a restart drain: queued again, to resume" } else { "" }
+            ));
+            if let Some(outcome) = memory_outcome {
+                facts.push(format!("a memory pass: outcome {}", outcome.outcome.as_str()));
+            }
+        }
+        Verdict::HeartbeatRecorded => facts.push("the heartbeat extended the wake's life by log time".to_owned()),
+        Verdict::Recovered { item_id, started: true } => facts.push(format!(
+            "{item_id} was running with no heartbeat for 30 minutes of log time: queued again, to resume"
+        )),
+        Verdict::Recovered { item_id, started: false } => {
+            facts.push(format!("{item_id} was claimed and not started within its lease: queued again, for any worker"))
+        }
+        Verdict::Journaled(journal) => {
+            match &journal.surface {
+                None => facts.push("not observable: recorded, not journaled".to_owned()),
+                Some(surface) => facts.push(format!(
+                    "journaled on {surface} as #{}{}",
+                    journal.ordinal,
+                    if journal.duplicate_message { " (a duplicate of that row)" } else { "" }
+                )),
+            }
+            if let Some(route) = &journal.route {
+                facts.push(format!("routed for {}: {}", journal.agent, describe_route(route)));
+            }
+            match (journal.wake, journal.not_queued) {
+                (Some(reason), _) => facts.push(format!("a {} wake was queued", reason.as_str())),
+                (None, Some(NotQueued::QueueFull)) => {
+                    facts.push("not queued: queue full (the agent was not woken for it)".to_owned())
+                }
+                (None, Some(NotQueued::Duplicate)) => {
+                    facts.push("not queued: the wake is a duplicate of one queued, active or settled".to_owned())
+                }
+                (None, None) => {}
+            }
+        }
+        Verdict::LinearSession(session) => {
+            facts.push(format!(
+                "Linear session {} for {}{}",
+                session.session,
+                session.agent,
+                if session.duplicate_receipt { ": a duplicate receipt, the first one won" } else { "" }
+            ));
+            if let Some(reason) = session.wake {
+                facts.push(format!("a {} wake was queued", reason.as_str()));
+            }
+            if let Some(not_queued) = session.not_queued {
+                facts.push(format!("not queued: {}", not_queued.as_str()));
+            }
+            if !session.removed.is_empty() {
+                facts.push(format!("the stop removed: {}", session.removed.join(", ")));
+            }
+        }
+        Verdict::LinearResponse(response) => facts.push(format!(
+            "activity {} ({}){}",
+            response.activity_id,
+            response.state.as_str(),
+            if response.repeated { ": the same response was requested before" } else { "" }
+        )),
+        Verdict::MemoryPassQueued { pass_id, .. } => facts.push(format!("{pass_id} was queued")),
+        Verdict::SubscriptionChanged { surface, muted } => {
+            facts.push(format!("{surface} is now {}", if *muted { "muted" } else { "unmuted" }))
+        }
+        Verdict::AgentRegistered | Verdict::Configured => {}
+    }
+}
+
+/// The agent a request acts for.
+fn agent_of(envelope: &proto::Envelope) -> &str {
+    match envelope.payload.as_ref() {
+        Some(Payload::Send(request)) => &request.agent_id,
+        _ => "the agent",
+    }
+}
+
+fn describe_route(route: &Route) -> String {
+    match route {
+        Route::Wake(reason) => format!("wake ({})", reason.as_str()),
+        Route::Ignored(reason) => format!("ignored ({})", reason.as_str()),
     }
 }
 
@@ -908,12 +937,7 @@ impl DirectSource {
     /// A JetStream stream, read directly; `data_dir` (optional) holds its checkpoint for
     /// `verify`. Refuses a missing stream instead of creating it.
     pub async fn open_jetstream(config: JetStreamConfig, data_dir: Option<&Path>) -> Result<DirectSource, ReplayError> {
-        let client = async_nats::ConnectOptions::new()
-            .name("anima-wake-replay")
-            .connection_timeout(config.request_timeout)
-            .connect(config.url.as_str())
-            .await
-            .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))?;
+        let client = crate::log::jetstream::connect_client(&config, "anima-wake-replay").await?;
         let context = async_nats::jetstream::new(client);
         if let Err(e) = context.get_stream(&config.stream).await {
             return Err(ReplayError::Source(format!("no JetStream stream {} at {}: {e}", config.stream, config.url)));

@@ -1,5 +1,6 @@
 //! Test support shared by every crate's tests: a real `nats-server` with JetStream on a free
-//! loopback port, in a temporary store directory, stopped on `Drop`.
+//! loopback port, in a temporary store directory, stopped on `Drop`; and [`NatsCluster`], three
+//! of them routed into one JetStream cluster, for replicated (R3) streams and failover tests.
 //!
 //! Tests never skip for want of a server: when `nats-server` is missing the fixture panics with
 //! the command that installs the pinned version (DESIGN §3.2). Set `NATS_SERVER_BIN` to use a
@@ -36,6 +37,9 @@ pub struct NatsServer {
     /// Holds the JetStream store (`jetstream/`) and the server log (`nats-server.log`).
     dir: tempfile::TempDir,
     child: Option<Child>,
+    /// Arguments after the standard ones (cluster name, routes, server name); empty for a
+    /// single server.
+    extra_args: Vec<String>,
 }
 
 impl NatsServer {
@@ -52,7 +56,7 @@ impl NatsServer {
         let mut last_failure = String::new();
         for _ in 0..START_ATTEMPTS_MAX {
             let port = free_loopback_port();
-            let mut server = NatsServer { binary: binary.clone(), port, dir, child: None };
+            let mut server = NatsServer { binary: binary.clone(), port, dir, child: None, extra_args: Vec::new() };
             match server.spawn_and_wait() {
                 Ok(()) => return server,
                 Err(failure) => {
@@ -88,6 +92,46 @@ impl NatsServer {
         }
     }
 
+    /// Kills the server with SIGKILL and reaps it, keeping its port and store for [`Self::resume`].
+    pub fn kill(&mut self) {
+        self.stop();
+    }
+
+    /// Starts a killed server again on the same port with the same store. Panics when it does
+    /// not come back.
+    pub fn resume(&mut self) {
+        assert!(self.child.is_none(), "resume a server that was killed");
+        if let Err(failure) = self.spawn_and_wait() {
+            panic!("nats-server did not start again: {failure}");
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): its sockets stay open but nothing answers, as with a hung
+    /// machine or a partition that drops packets. [`Self::thaw`] lets it go on.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server go on (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("signal a running server");
+        let status = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run kill {signal}: {e}"));
+        assert!(status.success(), "kill {signal} {} failed: {status}", child.id());
+    }
+
+    /// Whether the server process is running (not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// Spawns the server and waits (bounded) until its port accepts connections.
     fn spawn_and_wait(&mut self) -> Result<(), String> {
         let log_path = self.dir.path().join("nats-server.log");
@@ -103,6 +147,7 @@ impl NatsServer {
             .arg(self.store_dir())
             .args(["-a", "127.0.0.1", "-p"])
             .arg(self.port.to_string())
+            .args(&self.extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err))
@@ -162,6 +207,99 @@ impl NatsServer {
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Nodes of a [`NatsCluster`]: the smallest cluster that keeps a quorum of an R3 stream with one
+/// node down.
+pub const CLUSTER_NODES: usize = 3;
+
+/// Three JetStream servers on free loopback ports, each with its own store directory, routed to
+/// each other as one cluster (`anima-test`, servers `n0`, `n1`, `n2`). Every node is killed on
+/// `Drop`. Create streams with 3 replicas on it; JetStream needs a few seconds after start to
+/// elect its meta leader, so the first stream creation is retried on `Unavailable`.
+#[derive(Debug)]
+pub struct NatsCluster {
+    nodes: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Starts the three nodes and waits until each accepts connections. Panics (this is test
+    /// support) when they cannot start.
+    pub fn start() -> NatsCluster {
+        let binary = find_binary().unwrap_or_else(|| {
+            panic!("nats-server was not found on PATH; {INSTALL_HINT}");
+        });
+        let mut last_failure = String::new();
+        for _ in 0..START_ATTEMPTS_MAX {
+            match Self::try_start(&binary) {
+                Ok(cluster) => return cluster,
+                Err(failure) => last_failure = failure,
+            }
+        }
+        panic!("the nats-server cluster did not start after {START_ATTEMPTS_MAX} attempts: {last_failure}");
+    }
+
+    fn try_start(binary: &Path) -> Result<NatsCluster, String> {
+        // Hold every listener until all ports are chosen, so no two nodes get the same one.
+        let listeners: Vec<TcpListener> = (0..2 * CLUSTER_NODES)
+            .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("cannot find free loopback ports: {e}"))?;
+        let ports: Vec<u16> = listeners
+            .iter()
+            .map(|listener| listener.local_addr().map(|address| address.port()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("cannot read a bound port: {e}"))?;
+        drop(listeners);
+        let (client_ports, route_ports) = ports.split_at(CLUSTER_NODES);
+        let mut nodes = Vec::with_capacity(CLUSTER_NODES);
+        for index in 0..CLUSTER_NODES {
+            let dir = tempfile::Builder::new()
+                .prefix(&format!("anima-nats-n{index}-"))
+                .tempdir()
+                .map_err(|e| format!("cannot create a temporary directory for nats-server: {e}"))?;
+            let routes: Vec<String> = (0..CLUSTER_NODES)
+                .filter(|other| *other != index)
+                .map(|other| format!("nats://127.0.0.1:{}", route_ports[other]))
+                .collect();
+            let extra_args = vec![
+                "--server_name".to_owned(),
+                format!("n{index}"),
+                "--cluster_name".to_owned(),
+                "anima-test".to_owned(),
+                "--cluster".to_owned(),
+                format!("nats://127.0.0.1:{}", route_ports[index]),
+                "--routes".to_owned(),
+                routes.join(","),
+            ];
+            nodes.push(NatsServer {
+                binary: binary.to_owned(),
+                port: client_ports[index],
+                dir,
+                child: None,
+                extra_args,
+            });
+        }
+        for node in &mut nodes {
+            node.spawn_and_wait()?;
+        }
+        Ok(NatsCluster { nodes })
+    }
+
+    /// Every node's URL, comma-separated: what `--nats` takes for a cluster.
+    pub fn urls(&self) -> String {
+        self.nodes.iter().map(NatsServer::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// The node whose server name is `name` (`n0`..`n2`), as JetStream's stream info reports
+    /// a leader.
+    pub fn node_named(&self, name: &str) -> Option<usize> {
+        (0..CLUSTER_NODES).find(|index| format!("n{index}") == name)
+    }
+
+    pub fn node(&mut self, index: usize) -> &mut NatsServer {
+        &mut self.nodes[index]
     }
 }
 

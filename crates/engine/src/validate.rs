@@ -36,6 +36,24 @@ pub const LINEAR_TITLE_BYTES_MAX: usize = 4_096;
 /// Free-text reasons (finish reasons).
 pub const REASON_BYTES_MAX: usize = 4_096;
 
+/// Longest part of a client's value a refusal message repeats, in bytes. A refusal that copied a
+/// 1 MB value would itself exceed gRPC's metadata limit and reach the client as
+/// `RESOURCE_EXHAUSTED` "metadata size exceeds hard limit" instead of naming the field.
+pub const ECHO_BYTES_MAX: usize = 64;
+
+/// A value quoted for a refusal message: Debug-quoted (control characters escaped), at most
+/// [`ECHO_BYTES_MAX`] bytes of it (cut on a code-point boundary), and `…` when cut.
+pub fn echo(value: &str) -> String {
+    if value.len() <= ECHO_BYTES_MAX {
+        return format!("{value:?}");
+    }
+    let mut end = ECHO_BYTES_MAX;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}…", &value[..end])
+}
+
 pub fn invalid(field: &'static str, reason: impl Into<String>) -> CommandError {
     CommandError::InvalidArgument { field, reason: reason.into() }
 }
@@ -88,7 +106,7 @@ pub fn slack_ts(field: &'static str, value: &str, required: bool) -> Result<(), 
     }
     slack_ts_seconds(value)
         .map(|_| ())
-        .ok_or_else(|| invalid(field, format!("{value:?} is not a Slack ts like \"1700000000.000100\"")))
+        .ok_or_else(|| invalid(field, format!("{} is not a Slack ts like \"1700000000.000100\"", echo(value))))
 }
 
 /// Message text (Slack's bound, applied to chat text too).
@@ -171,10 +189,27 @@ pub fn linear_text(field: &'static str, value: &str) -> Result<(), CommandError>
     Ok(())
 }
 
+/// A memory digest (`anima-wake digest`): SHA-256, so exactly this many bytes.
+pub const MEMORY_DIGEST_BYTES: usize = 32;
+
+/// An optional memory digest: empty, or exactly [`MEMORY_DIGEST_BYTES`]. Anything else is refused
+/// before it reaches the log (a 900 KB "digest" would otherwise be stored in every replica).
+pub fn memory_digest(field: &'static str, value: &[u8]) -> Result<(), CommandError> {
+    if value.is_empty() || value.len() == MEMORY_DIGEST_BYTES {
+        return Ok(());
+    }
+    Err(invalid(
+        field,
+        format!("{} bytes; a memory digest is empty or exactly {MEMORY_DIGEST_BYTES} (SHA-256)", value.len()),
+    ))
+}
+
 /// An optional client request id: empty, or a UUID.
 pub fn request_id(value: &str) -> Result<Option<uuid::Uuid>, CommandError> {
     if value.is_empty() {
         return Ok(None);
     }
-    uuid::Uuid::parse_str(value).map(Some).map_err(|_| invalid("request_id", "must be empty or a UUID"))
+    uuid::Uuid::parse_str(value)
+        .map(Some)
+        .map_err(|_| invalid("request_id", format!("{} is not a UUID (send one, or leave it empty)", echo(value))))
 }

@@ -77,7 +77,10 @@ impl Principal {
         match self.role {
             Role::Admin | Role::Connector | Role::Replay => Ok(()),
             Role::Runtime if self.agents.contains(agent) => Ok(()),
-            _ => Err(Status::permission_denied(format!("this token may not act for agent {agent:?}"))),
+            _ => Err(Status::permission_denied(format!(
+                "this token may not act for agent {}",
+                anima_engine::validate::echo(agent)
+            ))),
         }
     }
 
@@ -100,7 +103,7 @@ pub fn allowed(role: Role, path: &str) -> bool {
     match (role, service, path) {
         (Role::Admin, _, _) => true,
         (_, "grpc.health.v1.Health", _) => true,
-        (_, "grpc.reflection.v1.ServerReflection", _) => true,
+        (_, "grpc.reflection.v1.ServerReflection" | "grpc.reflection.v1alpha.ServerReflection", _) => true,
         (Role::Connector, "anima.v1.Ingest", _) => true,
         (Role::Connector, _, "/anima.v1.Sends/Confirm") => true,
         (Role::Runtime, "anima.v1.Wakes" | "anima.v1.Sends" | "anima.v1.Subscriptions", _) => true,
@@ -174,9 +177,8 @@ impl Auth {
                 .get(http::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
                 .ok_or_else(|| Status::unauthenticated("missing authorization: Bearer <token>"))?;
-            let token = header
-                .strip_prefix("Bearer ")
-                .ok_or_else(|| Status::unauthenticated("authorization must be Bearer <token>"))?;
+            let token =
+                bearer_token(header).ok_or_else(|| Status::unauthenticated("authorization must be Bearer <token>"))?;
             let digest: [u8; 32] = Sha256::digest(token.trim().as_bytes()).into();
             // Compare against every entry so timing does not reveal which one matched.
             let mut found = None;
@@ -189,10 +191,21 @@ impl Auth {
         };
         if !allowed(principal.role, path) {
             tracing::info!(token = %principal.name, path, "permission denied");
-            return Err(Status::permission_denied(format!("role {:?} may not call {path}", principal.role)));
+            return Err(Status::permission_denied(format!(
+                "role {:?} may not call {}",
+                principal.role,
+                anima_engine::validate::echo(path)
+            )));
         }
         Ok(principal)
     }
+}
+
+/// The token of an `authorization` header value: the auth scheme is case-insensitive (RFC 9110
+/// §11.1), so `Bearer`, `bearer` and `BEARER` all work.
+fn bearer_token(header: &str) -> Option<&str> {
+    let (scheme, token) = header.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(token)
 }
 
 /// The tower layer that runs [`Auth::check`] on every request.

@@ -22,7 +22,8 @@ pub struct Config {
     /// Data directory: the embedded log (when no NATS URL is given) and the checkpoints.
     #[serde(default = "default_data")]
     pub data: PathBuf,
-    /// NATS URL; when set the log is the JetStream stream `stream` there.
+    /// NATS server URL, or a comma-separated list of a cluster's servers; when set the log is the
+    /// JetStream stream `stream` there.
     #[serde(default)]
     pub nats: Option<String>,
     #[serde(default = "default_stream")]
@@ -250,6 +251,40 @@ impl Config {
                 bail!("tokens[{index}].agents: a runtime token must name the agents it acts for");
             }
         }
+        // One secret under two entries would give whoever holds it the first entry's role and
+        // silently ignore the second: refuse it, naming both (never the secret).
+        let mut digests: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+        for (index, token) in self.tokens.iter().enumerate() {
+            let digest = match (&token.token, &token.token_sha256) {
+                (Some(secret), _) => hex_sha256(secret),
+                (None, Some(hex_digest)) => hex_digest.to_ascii_lowercase(),
+                (None, None) => continue,
+            };
+            if let Some(first) = digests.insert(digest, index) {
+                bail!(
+                    "tokens[{index}]: the same token as tokens[{first}] (roles {:?} and {:?}); every entry needs its own secret",
+                    self.tokens[first].role,
+                    token.role
+                );
+            }
+        }
+        let mut agent_ids: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+        for (index, agent) in self.agents.iter().enumerate() {
+            if let Some(first) = agent_ids.insert(agent.id.as_str(), index) {
+                bail!(
+                    "agents[{index}].id: {} is already agents[{first}].id; each [[agents]] entry needs its own id",
+                    anima_engine::validate::echo(&agent.id)
+                );
+            }
+        }
+        if let Some(metrics_listen) = self.metrics_listen {
+            if self.tokens.is_empty() && !metrics_listen.ip().is_loopback() {
+                bail!(
+                    "metrics_listen (--metrics-listen, ANIMA_METRICS_LISTEN): {metrics_listen} is not a loopback address and no \
+                     tokens are configured; a server without tokens serves only this machine, its metrics too"
+                );
+            }
+        }
         for (index, agent) in self.agents.iter().enumerate() {
             if agent.id.is_empty()
                 || agent.id.len() > 128
@@ -267,6 +302,11 @@ impl Config {
             {
                 bail!("agents[{index}].chat_user_id: must be at most 96 bytes without whitespace");
             }
+        }
+        if let Some(nats) = &self.nats {
+            // Checked here so a typo reads as the setting it is, not as "event log unavailable".
+            anima_engine::log::jetstream::parse_servers(nats)
+                .map_err(|e| anyhow::anyhow!("nats (--nats, ANIMA_NATS): {e}"))?;
         }
         if self.replicas == 0 || self.replicas > 5 {
             bail!("replicas: must be 1..=5");
@@ -286,6 +326,12 @@ impl Config {
     pub fn checkpoint_interval(&self) -> Duration {
         Duration::from_millis(self.runner.checkpoint_interval_ms.max(10))
     }
+}
+
+/// Lowercase hex SHA-256 of a token, to compare secrets with `token_sha256` entries.
+fn hex_sha256(secret: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(secret.as_bytes()).iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 #[cfg(test)]
@@ -318,6 +364,60 @@ mod tests {
         check(&format!("listen = \"0.0.0.0:50051\"\n{tls}{TOKEN}"), Ok(()));
         check(&format!("listen = \"0.0.0.0:50051\"\n{TOKEN}"), Ok(()));
         check(&format!("listen = \"[::1]:50051\"\n{tls}"), Ok(()));
+    }
+
+    #[test]
+    fn one_secret_under_two_entries_is_refused_naming_both() {
+        let twice = "[[tokens]]\ntoken = \"shared-secret-0123456789\"\nrole = \"analytics\"\n\
+                     [[tokens]]\ntoken = \"shared-secret-0123456789\"\nrole = \"admin\"\n";
+        check(twice, Err("tokens[1]: the same token as tokens[0] (roles Analytics and Admin)"));
+        let hashed = format!(
+            "[[tokens]]\ntoken = \"shared-secret-0123456789\"\nrole = \"replay\"\n\
+             [[tokens]]\ntoken_sha256 = \"{}\"\nrole = \"admin\"\n",
+            hex_sha256("shared-secret-0123456789").to_ascii_uppercase()
+        );
+        check(&hashed, Err("tokens[1]: the same token as tokens[0]"));
+        let distinct = "[[tokens]]\ntoken = \"first-secret-0123456789\"\nrole = \"analytics\"\n\
+                        [[tokens]]\ntoken = \"other-secret-0123456789\"\nrole = \"admin\"\n";
+        check(distinct, Ok(()));
+        let error = toml::from_str::<Config>(twice).expect("parses").validate().expect_err("refused").to_string();
+        assert!(!error.contains("shared-secret"), "the secret is never shown: {error}");
+    }
+
+    #[test]
+    fn a_duplicate_agent_id_is_refused() {
+        check("[[agents]]\nid = \"ada\"\n[[agents]]\nid = \"bob\"\n", Ok(()));
+        check(
+            "[[agents]]\nid = \"ada\"\n[[agents]]\nid = \"bob\"\n[[agents]]\nid = \"ada\"\n",
+            Err("agents[2].id: \"ada\" is already agents[0].id"),
+        );
+    }
+
+    #[test]
+    fn metrics_off_loopback_need_tokens() {
+        check("metrics_listen = \"127.0.0.1:9090\"", Ok(()));
+        check(
+            "metrics_listen = \"0.0.0.0:9090\"",
+            Err("metrics_listen (--metrics-listen, ANIMA_METRICS_LISTEN): 0.0.0.0:9090 is not a loopback address"),
+        );
+        check(&format!("metrics_listen = \"0.0.0.0:9090\"\n{TOKEN}"), Ok(()));
+    }
+
+    #[test]
+    fn nats_takes_a_server_list_and_a_bad_entry_names_the_setting() {
+        check("nats = \"nats://127.0.0.1:4222\"", Ok(()));
+        check("nats = \"nats://127.0.0.1:4222,nats://127.0.0.1:4223, 127.0.0.1:4224\"", Ok(()));
+        check(
+            "nats = \"nats://127.0.0.1:4222,nats://127.0.0.1:99999\"",
+            Err("nats (--nats, ANIMA_NATS): \"nats://127.0.0.1:99999\" is not a NATS server URL"),
+        );
+        check("nats = \"http://127.0.0.1:4222\"", Err("nats (--nats, ANIMA_NATS): \"http://127.0.0.1:4222\" is not"));
+        check("nats = \"nats://127.0.0.1:4222,\"", Err("nats (--nats, ANIMA_NATS): server 2 of 2 is empty"));
+        check("nats = \"\"", Err("nats (--nats, ANIMA_NATS): must name at least one server"));
+        let long = format!("nats = \"nats://{}:4222\"", "h".repeat(100_000));
+        let config: Config = toml::from_str(&long).expect("parses");
+        let error = config.validate().expect_err("a 100 kB host is refused").to_string();
+        assert!(error.len() < 400, "the refusal echoes at most a clipped part: {} bytes", error.len());
     }
 
     #[test]

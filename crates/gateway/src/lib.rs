@@ -10,6 +10,7 @@ pub mod replay_command;
 pub mod replay_services;
 pub mod server;
 pub mod services;
+pub mod transport_limit;
 
 /// The gRPC API (`proto/anima/v1/api.proto`): its messages (generated in `anima-projections`)
 /// and its tonic services (generated here).

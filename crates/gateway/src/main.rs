@@ -16,8 +16,39 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "anima-wake", version, about = "Event-sourced wake delivery engine for AI agents")]
 struct Cli {
+    /// Log lines as human-readable text, or one JSON object per line for log collectors.
+    #[arg(long, env = "ANIMA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Structured logs on stderr. The filter is `ANIMA_LOG` or else `RUST_LOG` (tracing's
+/// `EnvFilter` syntax, e.g. `info,anima_engine=debug`), `info` when neither is set; a filter that
+/// does not parse is an error rather than a silent `info`. Colour only on a terminal.
+fn init_logging(format: LogFormat) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let (variable, directives) = match (std::env::var("ANIMA_LOG"), std::env::var("RUST_LOG")) {
+        (Ok(value), _) => ("ANIMA_LOG", value),
+        (Err(_), Ok(value)) => ("RUST_LOG", value),
+        (Err(_), Err(_)) => ("default", "info".to_owned()),
+    };
+    let filter = tracing_subscriber::EnvFilter::builder().parse(&directives).map_err(|e| {
+        let shown: String = directives.chars().take(64).collect();
+        anyhow::anyhow!("{variable}: not a log filter ({e}): {shown:?}; e.g. info or info,anima_engine=debug")
+    })?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().with_ansi(false).init(),
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -44,7 +75,8 @@ struct ServeArgs {
     /// gRPC listen address. Default 127.0.0.1:50051.
     #[arg(long, env = "ANIMA_LISTEN")]
     listen: Option<SocketAddr>,
-    /// NATS URL: use the JetStream stream there as the log instead of the embedded one.
+    /// NATS server URL, or a cluster's servers comma-separated (nats://a:4222,nats://b:4222): use
+    /// the JetStream stream there as the log instead of the embedded one.
     #[arg(long, env = "ANIMA_NATS")]
     nats: Option<String>,
     /// JetStream stream name. Default ANIMA.
@@ -64,12 +96,21 @@ struct ServeArgs {
     tls_key: Option<PathBuf>,
 }
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ANIMA_LOG").unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+/// Errors are printed as one readable line (the cause chain), whatever `RUST_BACKTRACE` says:
+/// an operator reads "data: ... is in use", not a stack trace; the exit code is 1.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("anima-wake: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    init_logging(cli.log_format)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Command::Serve(args) => runtime.block_on(serve(args)),

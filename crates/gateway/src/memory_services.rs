@@ -1,5 +1,5 @@
 //! `anima.v1.Memory`: the scheduler's dry run and one agent's memory-pass status, read from this
-//! instance's projection (DESIGN §4.10).
+//! instance's projection ("Dreaming").
 
 use anima_engine::clock::{Clock, SystemClock};
 use anima_engine::Engine;
@@ -77,7 +77,10 @@ impl api::memory_server::Memory for MemoryService {
             (state.memory_status(&agent, now), state.memory_config())
         };
         let Some(current) = current else {
-            return Err(Status::not_found(format!("agent_id: {agent:?} is neither registered nor in the scope")));
+            return Err(Status::not_found(format!(
+                "agent_id: {} is neither registered nor in the scope",
+                anima_engine::validate::echo(&agent)
+            )));
         };
         let next = MemoryPassCalendar::new(&config.settings).ok().and_then(|calendar| {
             let next = calendar.next_slot_at_ns(now, &agent)?;

@@ -9,6 +9,12 @@
 //! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
 //!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
 //!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
+//! * `grpc_server_handled_total{grpc_service, grpc_method, grpc_code}` and
+//!   `grpc_server_handling_seconds{grpc_service, grpc_method}` — every call, by the usual names of
+//!   gRPC server metrics, from the same layer: the code and the time to the response's start (the
+//!   whole call for unary RPCs; for streams, until the stream started — a stream that fails later
+//!   carries its status in trailers and is counted as started OK).
+//! * `anima_build_info{version}` — always 1; the running version as a label.
 //! * `anima_wakes_claimed_total`, `anima_wakes_settled_without_turn_total`,
 //!   `anima_wakes_started_total`, `anima_wakes_finished_total{outcome}` — wakes through the API.
 //! * `anima_sends_total{verdict}` — send requests the fold allowed or held.
@@ -69,6 +75,24 @@ struct RefusedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HandledLabels {
+    grpc_service: String,
+    grpc_method: String,
+    grpc_code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabels {
+    grpc_service: String,
+    grpc_method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
     outcome: &'static str,
 }
@@ -89,6 +113,8 @@ pub struct Metrics {
     fold_applied_seq: Gauge,
     fold_lag_events: Gauge,
     refused: Family<RefusedLabels, Counter>,
+    handled: Family<HandledLabels, Counter>,
+    handling_seconds: HistogramFamily<MethodLabels>,
     wakes_claimed: Counter,
     wakes_settled_without_turn: Counter,
     wakes_started: Counter,
@@ -143,6 +169,17 @@ impl Metrics {
             "gRPC calls answered with a status other than OK, by method and code",
             refused.clone(),
         );
+        let handled = Family::<HandledLabels, Counter>::default();
+        registry.register("grpc_server_handled", "gRPC calls answered, by service, method and code", handled.clone());
+        let handling_seconds = HistogramFamily::<MethodLabels>::new_with_constructor(append_histogram as fn() -> _);
+        registry.register(
+            "grpc_server_handling_seconds",
+            "Time from a gRPC call's arrival to the start of its response, by service and method",
+            handling_seconds.clone(),
+        );
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        registry.register("anima_build_info", "The running anima-wake version (always 1)", build_info.clone());
+        build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
         let wakes_claimed = Counter::default();
         registry.register("anima_wakes_claimed", "Wakes handed to a worker by Wakes.Claim", wakes_claimed.clone());
         let wakes_settled_without_turn = Counter::default();
@@ -171,6 +208,8 @@ impl Metrics {
             fold_applied_seq,
             fold_lag_events,
             refused,
+            handled,
+            handling_seconds,
             wakes_claimed,
             wakes_settled_without_turn,
             wakes_started,
@@ -187,6 +226,19 @@ impl Metrics {
         }
         let rpc = if self.known_rpcs.contains(path) { path.to_owned() } else { "unknown".to_owned() };
         self.refused.get_or_create(&RefusedLabels { rpc, code: code_name(code) }).inc();
+    }
+
+    /// Counts one answered call and how long it took to start its response.
+    pub fn handled(&self, path: &str, code: Code, elapsed: Duration) {
+        let (grpc_service, grpc_method) =
+            match (self.known_rpcs.contains(path), path.trim_start_matches('/').split_once('/')) {
+                (true, Some((service, method))) => (service.to_owned(), method.to_owned()),
+                _ => ("unknown".to_owned(), "unknown".to_owned()),
+            };
+        let method = MethodLabels { grpc_service, grpc_method };
+        self.handling_seconds.get_or_create(&method).observe(elapsed.as_secs_f64());
+        let MethodLabels { grpc_service, grpc_method } = method;
+        self.handled.get_or_create(&HandledLabels { grpc_service, grpc_method, grpc_code: grpc_code_name(code) }).inc();
     }
 
     /// Counts what one `Wakes.Claim` did.
@@ -296,6 +348,30 @@ pub fn code_name(code: Code) -> &'static str {
     }
 }
 
+/// The gRPC code as the name its specification uses (`PERMISSION_DENIED`), the usual value of
+/// the `grpc_code` label.
+pub fn grpc_code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
 /// Serves `GET /metrics` on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -360,11 +436,13 @@ where
         // Take the service that was driven to readiness; leave a clone in its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
+        let started = std::time::Instant::now();
         Box::pin(async move {
             let response = inner.call(request).await?;
-            if let Some(code) = response.headers().get("grpc-status").map(|v| Code::from_bytes(v.as_bytes())) {
-                metrics.refused(&path, code);
-            }
+            // A status in the headers is a trailers-only answer: an error (or an empty OK).
+            let code = response.headers().get("grpc-status").map_or(Code::Ok, |v| Code::from_bytes(v.as_bytes()));
+            metrics.refused(&path, code);
+            metrics.handled(&path, code, started.elapsed());
             Ok(response)
         })
     }
@@ -391,6 +469,23 @@ mod tests {
         assert!(!text.contains("attacker"), "{text}");
         assert!(!text.contains(r#"code="ok""#), "{text}");
         assert!(metrics.known_rpcs.contains("/anima.v1.Replay/Read"), "{:?}", metrics.known_rpcs);
+    }
+
+    #[test]
+    fn every_call_is_counted_by_service_method_and_code_with_its_latency() {
+        let metrics = Metrics::new();
+        metrics.handled("/anima.v1.Sends/Send", Code::Ok, Duration::from_micros(300));
+        metrics.handled("/anima.v1.Sends/Send", Code::Aborted, Duration::from_millis(2));
+        metrics.handled("/attacker.Chosen/Path", Code::Unimplemented, Duration::from_micros(10));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &metrics.registry).unwrap();
+        let send = r#"grpc_service="anima.v1.Sends",grpc_method="Send""#;
+        assert!(text.contains(&format!(r#"grpc_server_handled_total{{{send},grpc_code="OK"}} 1"#)), "{text}");
+        assert!(text.contains(&format!(r#"grpc_server_handled_total{{{send},grpc_code="ABORTED"}} 1"#)), "{text}");
+        assert!(text.contains(&format!(r#"grpc_server_handling_seconds_count{{{send}}} 2"#)), "{text}");
+        assert!(text.contains(r#"grpc_service="unknown",grpc_method="unknown",grpc_code="UNIMPLEMENTED""#), "{text}");
+        assert!(!text.contains("attacker"), "{text}");
+        assert!(text.contains(&format!(r#"anima_build_info{{version="{}"}} 1"#, env!("CARGO_PKG_VERSION"))), "{text}");
     }
 
     #[test]

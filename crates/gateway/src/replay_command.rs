@@ -1,4 +1,4 @@
-//! `anima-wake replay`: the incident-debugging tool (DESIGN §6).
+//! `anima-wake replay`: the incident-debugging tool.
 //!
 //! * `timeline` — one surface's or agent's events, human-readable, with UTC times and what the
 //!   fold decided for each;
@@ -10,7 +10,8 @@
 //!
 //! It reads an embedded data dir directly (`--data`, default `./data`) when no server holds it,
 //! a JetStream stream directly (`--nats URL`), or goes through a server's gRPC API (`--api URL`,
-//! also the fallback when a running server locks the data dir) — and says which on stderr. Direct
+//! or the API of the server holding the data dir, which it records there) — and says which on
+//! stderr. Direct
 //! reads and the API share the conversions of [`crate::replay_services`], so both print the same.
 //! Long runs show their progress on stderr (a bar on a terminal, plain lines otherwise; see
 //! [`progress`]).
@@ -38,8 +39,6 @@ use self::progress::{BarSafeWriter, ProgressMode, ProgressReporter};
 use crate::api;
 use crate::replay_services;
 
-/// Where a server listens by default; the fallback when the data dir is locked.
-pub const DEFAULT_API: &str = "http://127.0.0.1:50051";
 /// Longest content string a timeline line shows, in characters.
 const TIMELINE_TEXT_CHARS_MAX: usize = 80;
 
@@ -48,7 +47,7 @@ pub struct ReplayArgs {
     /// Data directory of an embedded server (its log and checkpoints). Default ./data.
     #[arg(long, env = "ANIMA_DATA", global = true)]
     pub data: Option<PathBuf>,
-    /// Read the JetStream stream at this NATS URL directly.
+    /// Read the JetStream stream at this NATS URL (or comma-separated server list) directly.
     #[arg(long, env = "ANIMA_NATS", global = true)]
     pub nats: Option<String>,
     /// JetStream stream name.
@@ -202,10 +201,49 @@ async fn connect_api(url: &str, token: Option<&str>) -> anyhow::Result<Source> {
     Ok(Source::Api { client: api::replay_client::ReplayClient::with_interceptor(channel, BearerToken(token)) })
 }
 
+fn data_dir(args: &ReplayArgs) -> PathBuf {
+    args.data.clone().unwrap_or_else(|| PathBuf::from("./data"))
+}
+
+/// The API of the server that holds the data dir, as that server recorded it there
+/// ([`crate::server::SERVING_FILE`]). Refused, with the reason, unless the record names a live
+/// process and a plain-text address: any other server (say, one on the default port) may hold
+/// another log, and reading it instead would answer about the wrong deployment.
+fn holder_api(data: &std::path::Path, shown: &str) -> anyhow::Result<String> {
+    let file = data.join(crate::server::SERVING_FILE);
+    let refuse = |reason: String| {
+        anyhow::anyhow!(
+            "{shown} is held by a running anima-wake, but {reason}; pass --api URL (and --token) to reach it"
+        )
+    };
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| refuse(format!("it has not said where it listens ({}: {e})", file.display())))?;
+    let record = crate::server::ServingRecord::decode(&text)
+        .ok_or_else(|| refuse(format!("{} is not a serving record", file.display())))?;
+    let proc = std::path::Path::new("/proc");
+    if proc.is_dir() && !proc.join(record.pid.to_string()).exists() {
+        return Err(refuse(format!("the process that recorded {} (pid {}) is gone", file.display(), record.pid)));
+    }
+    if record.tls {
+        return Err(refuse(format!("it serves TLS on {}", record.grpc)));
+    }
+    // A server listening on every address is reached on loopback.
+    let mut addr = record.grpc;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    Ok(format!("http://{addr}"))
+}
+
 async fn direct(args: &ReplayArgs) -> Result<DirectSource, ReplayError> {
-    let data = args.data.clone().unwrap_or_else(|| PathBuf::from("./data"));
+    let data = data_dir(args);
     match &args.nats {
         Some(url) => {
+            anima_engine::log::jetstream::parse_servers(url)
+                .map_err(|e| ReplayError::Source(format!("--nats (ANIMA_NATS): {e}")))?;
             let config =
                 JetStreamConfig { url: url.clone(), stream: args.stream.clone(), ..JetStreamConfig::default() };
             DirectSource::open_jetstream(config, Some(&data)).await
@@ -216,7 +254,7 @@ async fn direct(args: &ReplayArgs) -> Result<DirectSource, ReplayError> {
 
 impl Source {
     /// The source the arguments name: the API if `--api`, else the log directly; a data dir
-    /// locked by a running server falls back to the API at its default address.
+    /// held by a running server goes through that server's API ([`holder_api`]).
     async fn open(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<Source> {
         if let Some(url) = &args.api {
             return connect_api(url, args.token.as_deref()).await;
@@ -228,9 +266,10 @@ impl Source {
                 Ok(Source::Direct { _source: source, replayer })
             }
             Err(ReplayError::Locked { path }) => {
-                eprintln!("replay: {path} is locked by a running anima-wake; going through its API at {DEFAULT_API}");
-                connect_api(DEFAULT_API, args.token.as_deref()).await.with_context(|| {
-                    format!("{path} is locked by a running server; pass --api URL (and --token) to reach it")
+                let url = holder_api(&data_dir(args), &path)?;
+                eprintln!("replay: {path} is held by a running anima-wake; going through its API at {url}");
+                connect_api(&url, args.token.as_deref()).await.with_context(|| {
+                    format!("{path} is held by the server at {url}; pass --api URL (and --token) to reach it")
                 })
             }
             Err(e) => Err(e.into()),
@@ -284,7 +323,8 @@ pub async fn run(args: ReplayArgs) -> anyhow::Result<()> {
 async fn run_reading(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::Result<()> {
     let source = Source::open(args, reporter).await?;
     let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(BarSafeWriter::new(stdout.lock(), reporter.clone()));
+    let stdout_is_terminal = std::io::IsTerminal::is_terminal(&stdout);
+    let mut out = std::io::BufWriter::new(BarSafeWriter::new(stdout.lock(), stdout_is_terminal, reporter.clone()));
     match &args.command {
         ReplayCommand::Timeline(timeline) => {
             if timeline.selection.agent.is_none() && timeline.selection.surface.is_none() {
@@ -446,12 +486,13 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// `YYYY-MM-DD HH:MM:SS.mmm UTC`.
+/// RFC 3339 in UTC with milliseconds (`2023-11-14T22:13:20.500Z`): what scripts and other tools
+/// parse, and what `--at` accepts back.
 pub fn format_time_ns(ns: i64) -> String {
     let seconds = ns.div_euclid(1_000_000_000);
     let millis = ns.rem_euclid(1_000_000_000) / 1_000_000;
     let utc = format_utc(seconds);
-    format!("{}.{millis:03} UTC", utc.trim_end_matches(" UTC"))
+    format!("{}.{millis:03}Z", utc.trim_end_matches(" UTC").replacen(' ', "T", 1))
 }
 
 fn envelope_descriptor() -> &'static MessageDescriptor {
@@ -802,7 +843,12 @@ mod tests {
             Some(Point::LogTimeNs(1_700_000_000_500_000_000))
         );
         assert!(parse_point("yesterday").is_err());
-        assert_eq!(format_time_ns(1_700_000_000_500_000_000), "2023-11-14 22:13:20.500 UTC");
+        assert_eq!(format_time_ns(1_700_000_000_500_000_000), "2023-11-14T22:13:20.500Z");
+        // What the tool prints, it reads back.
+        assert_eq!(
+            parse_point(&format_time_ns(1_700_000_000_500_000_000)).unwrap().point,
+            Some(Point::LogTimeNs(1_700_000_000_500_000_000))
+        );
     }
 
     #[test]

@@ -35,6 +35,10 @@ use crate::api;
 
 /// Maps a replay error to a gRPC status. The one place where this happens for replay.
 pub fn replay_status(error: ReplayError) -> Status {
+    crate::services::clipped(replay_status_unclipped(error))
+}
+
+fn replay_status_unclipped(error: ReplayError) -> Status {
     match error {
         ReplayError::InvalidArgument { field, reason } => Status::invalid_argument(format!("{field}: {reason}")),
         ReplayError::NotFound(message) => Status::not_found(message),
@@ -76,7 +80,10 @@ fn surface(key: &str, field: &str) -> Result<Option<SurfaceId>, Status> {
         return Ok(None);
     }
     SurfaceId::parse(key).map(Some).ok_or_else(|| {
-        Status::invalid_argument(format!("{field}: {key:?} is not a surface key (slack:T:C or slack:T:C:thread:TS)"))
+        Status::invalid_argument(format!(
+            "{field}: {} is not a surface key (slack:T:C or slack:T:C:thread:TS)",
+            anima_engine::validate::echo(key)
+        ))
     })
 }
 
@@ -399,14 +406,17 @@ pub async fn state_at(
     Ok(state_at_response(&rebuilt, agent.as_deref(), surface.as_ref()))
 }
 
-/// `Counts` against a replayer.
+/// `Counts` against a replayer, answered from the maintained counters of `projection` when they
+/// cover the range exactly (O(buckets)), else by refolding it.
 pub async fn counts(
     replayer: &Replayer,
+    projection: Option<&anima_engine::Projection>,
     request: api::AnalyticsCountsRequest,
 ) -> Result<api::AnalyticsCountsResponse, Status> {
     let range = range(request.range)?;
     let bucket = bucket(request.bucket)?;
-    let (from, to, counts) = replayer.counts(range, bucket).await.map_err(replay_status)?;
+    let (from, to, counts) =
+        anima_engine::analytics::answer_counts(replayer, projection, range, bucket).await.map_err(replay_status)?;
     Ok(counts_response(counts, from, to))
 }
 
@@ -474,7 +484,7 @@ impl api::analytics_server::Analytics for ReplayServices {
         &self,
         request: Request<api::AnalyticsCountsRequest>,
     ) -> Result<Response<api::AnalyticsCountsResponse>, Status> {
-        Ok(Response::new(counts(&self.replayer, request.into_inner()).await?))
+        Ok(Response::new(counts(&self.replayer, Some(self.engine.projection()), request.into_inner()).await?))
     }
 
     async fn tap(&self, request: Request<api::AnalyticsTapRequest>) -> Result<Response<Self::TapStream>, Status> {

@@ -14,8 +14,30 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::api;
 use crate::auth::Principal;
 
+/// Longest status message sent, in bytes. Messages quote client values clipped
+/// (`anima_engine::validate::echo`); this bound is the last guard, because a message over gRPC's
+/// metadata limit reaches the client as RESOURCE_EXHAUSTED "metadata size exceeds hard limit"
+/// instead of the refusal.
+pub const STATUS_MESSAGE_BYTES_MAX: usize = 2_048;
+
 /// Maps an engine error to a gRPC status. The one place where this happens.
 pub fn status(error: CommandError) -> Status {
+    clipped(status_unclipped(error))
+}
+
+/// `status` with its message cut to [`STATUS_MESSAGE_BYTES_MAX`] bytes (and `…`).
+pub fn clipped(status: Status) -> Status {
+    if status.message().len() <= STATUS_MESSAGE_BYTES_MAX {
+        return status;
+    }
+    let mut end = STATUS_MESSAGE_BYTES_MAX;
+    while !status.message().is_char_boundary(end) {
+        end -= 1;
+    }
+    Status::new(status.code(), format!("{}…", &status.message()[..end]))
+}
+
+fn status_unclipped(error: CommandError) -> Status {
     match error {
         CommandError::InvalidArgument { field, reason } => Status::invalid_argument(format!("{field}: {reason}")),
         CommandError::TooLarge { field, reason } => Status::resource_exhausted(format!("{field}: too large: {reason}")),
@@ -215,7 +237,10 @@ impl api::wakes_server::Wakes for Services {
         principal.require_agent(&agent)?;
         anima_engine::validate::id("agent_id", &agent).map_err(status)?;
         if !self.engine.projection().state().agents.contains_key(&agent) {
-            return Err(Status::invalid_argument(format!("agent_id: unknown agent {agent:?}")));
+            return Err(Status::invalid_argument(format!(
+                "agent_id: unknown agent {}",
+                anima_engine::validate::echo(&agent)
+            )));
         }
         let engine = self.engine.clone();
         let shutdown = self.shutdown.clone();
@@ -265,6 +290,8 @@ impl api::wakes_server::Wakes for Services {
             worker_id: request.worker_id,
             item_id: request.item_id,
             memory_md_bytes: request.memory_md_bytes,
+            // The engine sets the lease from its configuration.
+            claim_lease_seconds: 0,
         };
         let outcome = self.engine.claim(claim, &request.request_id).await.map_err(status)?;
         self.metrics.wake_claimed(&outcome);
@@ -365,6 +392,9 @@ impl api::sends_server::Sends for Services {
         let principal = Principal::of(&request)?;
         let request = request.into_inner();
         principal.require_agent(&request.agent_id)?;
+        // A confirmation is keyed by its post (agent, surface, ts, kind), not by request_id; the
+        // id is still checked like on every RPC, so a client's malformed id is reported, not lost.
+        anima_engine::validate::request_id(&request.request_id).map_err(status)?;
         // The stored confirmation carries the post's place on its surface in `ts`: Slack's ts, or
         // the chat platform's message id.
         let is_chat =
@@ -480,7 +510,10 @@ impl api::subscriptions_server::Subscriptions for Services {
         principal.require_agent(&agent)?;
         let state = self.engine.projection().state();
         if !state.agents.contains_key(&agent) {
-            return Err(Status::invalid_argument(format!("agent_id: unknown agent {agent:?}")));
+            return Err(Status::invalid_argument(format!(
+                "agent_id: unknown agent {}",
+                anima_engine::validate::echo(&agent)
+            )));
         }
         let subscriptions = state
             .subscriptions_of(&agent)

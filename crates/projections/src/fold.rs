@@ -17,7 +17,7 @@ use crate::state::{
 use crate::subscription::{mentions, Observed, Route};
 use crate::surface::{chat_message_identity, slack_message_identity, ChatKind, SurfaceId};
 use crate::verdict::{JournalVerdict, Refusal, RefusalKind, Verdict};
-use crate::wake::WakeItem;
+use crate::wake::{NotQueued, WakeItem};
 
 /// Slack subtypes that are journal rows; edits, deletes and joins are recorded but not rows.
 const OBSERVABLE_SUBTYPES: [&str; 3] = ["", "bot_message", "file_share"];
@@ -228,6 +228,7 @@ impl State {
             duplicate_message: existing.is_some(),
             wake: None,
             route: None,
+            not_queued: None,
         })
     }
 
@@ -306,6 +307,7 @@ impl State {
         }
         let mut wake = None;
         let mut route = None;
+        let mut not_queued = None;
         if let Some(record) = self.agents.get(&agent).cloned() {
             if row.is_own(&agent) && existing.is_none() {
                 self.note_own_post(at, &agent, &surface, id);
@@ -318,7 +320,7 @@ impl State {
                 is_bot,
                 text: &body.text,
             };
-            (route, wake) = self.route_and_queue(at, &agent, &observed, &body, identity);
+            (route, wake, not_queued) = self.route_and_queue(at, &agent, &observed, &body, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -327,6 +329,7 @@ impl State {
             duplicate_message: existing.is_some(),
             wake,
             route,
+            not_queued,
         })
     }
 
@@ -339,10 +342,10 @@ impl State {
         observed: &Observed<'_>,
         body: &RowBody,
         identity: String,
-    ) -> (Option<Route>, Option<crate::wake::WakeReason>) {
+    ) -> (Option<Route>, Option<crate::wake::WakeReason>, Option<NotQueued>) {
         let routed = self.route(agent, observed);
-        let Route::Wake(reason) = routed.route else { return (Some(routed.route), None) };
-        let Some(reply_to) = routed.reply_to else { return (Some(routed.route), None) };
+        let Route::Wake(reason) = routed.route else { return (Some(routed.route), None, None) };
+        let Some(reply_to) = routed.reply_to else { return (Some(routed.route), None, None) };
         let item = WakeItem {
             id: identity,
             reason,
@@ -357,7 +360,10 @@ impl State {
             memory: None,
             extras: crate::render::ExtrasSizes::of(body),
         };
-        (Some(routed.route), self.queue_wake(at, agent, item))
+        match self.queue_wake(at, agent, item) {
+            Ok(reason) => (Some(routed.route), Some(reason), None),
+            Err(not_queued) => (Some(routed.route), None, Some(not_queued)),
+        }
     }
 
     fn journal_tail(&self, surface: SurfaceKey) -> u64 {
@@ -412,6 +418,7 @@ fn not_journaled(agent: String) -> Verdict {
         duplicate_message: false,
         wake: None,
         route: None,
+        not_queued: None,
     })
 }
 

@@ -27,6 +27,10 @@ pub const LINEAR_RECEIPTS_MAX: usize = 65_536;
 /// Linear responses remembered, oldest forgotten first. A forgotten response's key can be used
 /// again; a forgotten unknown one no longer blocks (it is then weeks old at the rates expected).
 pub const LINEAR_RESPONSES_MAX: usize = 65_536;
+/// Linear sessions remembered per (agent, session) for the check that a response answers a
+/// session the agent received; the session with the oldest receipt is forgotten first (and can
+/// then no longer be answered: at the rates expected it is then weeks old).
+pub const LINEAR_SESSIONS_MAX: usize = 65_536;
 /// Input ids one response may answer.
 pub const LINEAR_RESPONSE_INPUTS_MAX: usize = 64;
 
@@ -60,6 +64,16 @@ pub struct LinearResponse {
     pub requested_seq: u64,
 }
 
+/// That an agent received a Linear session (a created or prompted receipt), and whether a stop
+/// came since. A stopped session may be answered again after a new receipt.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinearSessionReceived {
+    /// Log seq of the newest receipt.
+    pub receipt_seq: u64,
+    /// Log seq of a stop after it.
+    pub stopped_seq: Option<u64>,
+}
+
 /// Key of a response: (agent, sorted input ids joined by `\n`, hex sha-256 of kind and body).
 pub type LinearResponseKey = (String, String, String);
 
@@ -84,7 +98,7 @@ impl State {
             proto::LinearSessionEventKind::Prompted => {
                 return refused(RefusalKind::InvalidArgument, "a prompted event needs its agent_activity_id")
             }
-            proto::LinearSessionEventKind::Stop => return self.stop_linear_session(&agent, &event.session_id),
+            proto::LinearSessionEventKind::Stop => return self.stop_linear_session(at, &agent, &event.session_id),
             proto::LinearSessionEventKind::Unspecified => {
                 return refused(RefusalKind::InvalidArgument, "kind is unspecified")
             }
@@ -97,9 +111,11 @@ impl State {
                 receipt: Some(receipt),
                 duplicate_receipt: true,
                 wake: None,
+                not_queued: None,
                 removed: Vec::new(),
             });
         }
+        self.note_session_received(at, &agent, &event.session_id);
         self.linear_receipts.insert(receipt.clone(), at.seq);
         self.linear_receipt_order.insert(at.seq, receipt.clone());
         while self.linear_receipt_order.len() > LINEAR_RECEIPTS_MAX {
@@ -129,19 +145,43 @@ impl State {
             memory: None,
             extras: crate::render::ExtrasSizes::default(),
         };
-        let wake = self.queue_wake(at, &agent, item);
+        let queued = self.queue_wake(at, &agent, item);
         Verdict::LinearSession(LinearSessionVerdict {
             agent,
             session: event.session_id.clone(),
             receipt: Some(receipt),
             duplicate_receipt: false,
-            wake,
+            wake: queued.ok(),
+            not_queued: queued.err(),
             removed: Vec::new(),
         })
     }
 
-    /// Removes the session's queued items of the agent; a running (or claimed) one stays.
-    fn stop_linear_session(&mut self, agent: &str, session_id: &str) -> Verdict {
+    /// Remembers that `agent` received the session (again), forgetting the oldest beyond the
+    /// bound.
+    fn note_session_received(&mut self, at: LogPosition, agent: &str, session_id: &str) {
+        let key = (agent.to_owned(), session_id.to_owned());
+        if let Some(previous) = self.linear_sessions.get(&key) {
+            let previous_seq = previous.receipt_seq;
+            self.linear_session_order.remove(&previous_seq);
+        }
+        self.linear_sessions.insert(key.clone(), LinearSessionReceived { receipt_seq: at.seq, stopped_seq: None });
+        self.linear_session_order.insert(at.seq, key);
+        while self.linear_session_order.len() > LINEAR_SESSIONS_MAX {
+            if let Some((_, oldest)) = self.linear_session_order.pop_first() {
+                self.linear_sessions.remove(&oldest);
+            }
+        }
+        debug_assert_eq!(self.linear_sessions.len(), self.linear_session_order.len());
+    }
+
+    /// Removes the session's queued items of the agent; a running (or claimed) one stays. The
+    /// session can no longer be answered until it is received again.
+    fn stop_linear_session(&mut self, at: LogPosition, agent: &str, session_id: &str) -> Verdict {
+        let key = (agent.to_owned(), session_id.to_owned());
+        if let Some(received) = self.linear_sessions.get_mut(&key) {
+            received.stopped_seq.get_or_insert(at.seq);
+        }
         let of_session = |item: &WakeItem| item.linear.as_ref().is_some_and(|l| l.session_id == session_id);
         let mut removed = Vec::new();
         if let Some(queue) = self.queues.get(&agent.to_owned()) {
@@ -158,6 +198,7 @@ impl State {
             receipt: None,
             duplicate_receipt: false,
             wake: None,
+            not_queued: None,
             removed,
         })
     }
@@ -175,9 +216,38 @@ impl State {
         if request.session_id.is_empty() {
             return refused(RefusalKind::InvalidArgument, "session_id is empty");
         }
+        if let Some(pass) = self.active_memory_pass(&request.agent_id) {
+            return refused(
+                RefusalKind::FailedPrecondition,
+                format!("a memory pass does not post: {}'s active wake is the memory pass {pass}", request.agent_id),
+            );
+        }
         let kind = proto::LinearResponseKind::try_from(request.kind).unwrap_or(proto::LinearResponseKind::Unspecified);
         if kind == proto::LinearResponseKind::Unspecified {
             return refused(RefusalKind::InvalidArgument, "kind is unspecified");
+        }
+        // A runtime answers only sessions it was given, and not after a stop (DESIGN §4.8).
+        let session_key = (request.agent_id.clone(), request.session_id.clone());
+        match self.linear_sessions.get(&session_key) {
+            None => {
+                return refused(
+                    RefusalKind::FailedPrecondition,
+                    format!(
+                        "agent {:?} never received Linear session {}; it can answer only sessions it was given",
+                        request.agent_id, request.session_id
+                    ),
+                )
+            }
+            Some(LinearSessionReceived { stopped_seq: Some(stopped), .. }) => {
+                return refused(
+                    RefusalKind::FailedPrecondition,
+                    format!(
+                        "Linear session {} was stopped (seq {stopped}); it can be answered again after a new prompt",
+                        request.session_id
+                    ),
+                )
+            }
+            Some(_) => {}
         }
         let mut inputs = request.input_ids.clone();
         inputs.sort();

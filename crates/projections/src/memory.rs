@@ -329,6 +329,15 @@ impl State {
         self.memory_gates.entry_or_default(agent.to_owned()).newest_history_seq = at.seq;
     }
 
+    /// The memory pass the agent's active (claimed or running) wake is, if it is one. A memory
+    /// pass is sealed (DESIGN §4.12): it reads untrusted history, so it must not be a path from
+    /// an injected instruction to a post; the agent's sends and Linear responses are refused
+    /// meanwhile.
+    pub(crate) fn active_memory_pass(&self, agent: &str) -> Option<&str> {
+        let active = self.queue(agent)?.active.as_ref()?;
+        active.item.memory.is_some().then_some(active.item.id.as_str())
+    }
+
     pub(crate) fn request_memory_pass(&mut self, at: LogPosition, request: &proto::MemoryPassRequested) -> Verdict {
         let agent = request.agent_id.as_str();
         if !self.agents.contains_key(&request.agent_id) {
@@ -548,11 +557,16 @@ impl State {
         if !self.agents.contains_key(&agent.to_owned()) {
             return (PassStatus::NotRegistered, "the scope lists this agent but it is not registered".into());
         }
-        if let Some(open_pass) = self.memory_open.get(&due.pass_id) {
+        // One open pass per agent: with maxConcurrent ≥ 2 yesterday's pass, still queued or
+        // running, must not let today's open beside it. `memory_open` holds at most
+        // maxConcurrent passes, so the scan is short.
+        if let Some(open_pass) =
+            self.memory_open.iter().map(|(_, open_pass)| open_pass).find(|open_pass| open_pass.agent == agent)
+        {
             let state = if open_pass.started_at_ns.is_some() { "running" } else { "queued" };
             return (
                 PassStatus::Open,
-                format!("the pass of {day} is {state} (queued at seq {})", open_pass.queued_seq),
+                format!("the pass of {} is {state} (queued at seq {})", open_pass.window_day, open_pass.queued_seq),
             );
         }
         let gate = self.memory_gate(agent);

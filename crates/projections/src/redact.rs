@@ -25,6 +25,7 @@ use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, Messa
 use serde::{Deserialize, Serialize};
 
 use crate::verdict::{ClaimVerdict, RefusalKind, SendVerdict, Verdict};
+use crate::wake::NotQueued;
 
 /// The field option that marks content.
 pub const CONTENT_OPTION: &str = "anima.v1.content";
@@ -384,6 +385,9 @@ pub struct RedactedOutcome {
     pub memory_outcome: Option<String>,
     /// A memory pass's finish: seconds from its slot to its start (`None`: never started).
     pub memory_delay_seconds: Option<u64>,
+    /// Journaled or a Linear receipt: why the wake it earned was not queued ("duplicate",
+    /// "queue_full").
+    pub not_queued: Option<String>,
 }
 
 impl RedactedOutcome {
@@ -399,6 +403,7 @@ impl RedactedOutcome {
                 wake_reason: journal.wake.map(|reason| reason.as_str().to_owned()),
                 duplicate_message: journal.duplicate_message,
                 ordinal: journal.ordinal,
+                not_queued: journal.not_queued.map(|n| n.as_str().to_owned()),
                 ..RedactedOutcome::kind(if journal.surface.is_some() { "journaled" } else { "not_journaled" })
             },
             Verdict::AgentRegistered => RedactedOutcome::kind("agent_registered"),
@@ -432,6 +437,11 @@ impl RedactedOutcome {
                 ..RedactedOutcome::kind("finished")
             },
             Verdict::MemoryPassQueued { .. } => RedactedOutcome::kind("memory_pass_queued"),
+            Verdict::LinearSession(session) => RedactedOutcome {
+                wake_reason: session.wake.map(|reason| reason.as_str().to_owned()),
+                not_queued: session.not_queued.map(|n| n.as_str().to_owned()),
+                ..RedactedOutcome::kind("linear_session")
+            },
             Verdict::Refused(refusal) => RedactedOutcome {
                 refusal: Some(refusal_name(refusal.kind).to_owned()),
                 ..RedactedOutcome::kind("refused")
@@ -517,6 +527,8 @@ pub struct Figures {
     pub dm_replies_threaded: u64,
     pub dm_replies_top_level: u64,
     pub memory_passes_queued: u64,
+    /// Wakes an observation earned that met a full queue (the agent was not woken for them).
+    pub wakes_not_queued_queue_full: u64,
     /// Recorded memory-pass outcomes by name.
     pub memory_outcomes: BTreeMap<String, u64>,
     pub memory_delay_seconds_sum: u64,
@@ -573,6 +585,8 @@ impl Figures {
             *self.wakes_by_reason.entry(reason).or_default() += 1;
         }
         self.settled_without_turn += outcome.map_or(0, |o| o.settled_without_turn);
+        self.wakes_not_queued_queue_full +=
+            u64::from(outcome.is_some_and(|o| o.not_queued.as_deref() == Some(NotQueued::QueueFull.as_str())));
         let confirmed_post = event.event_type == "send_confirmed" && (outcome.is_none() || kind == "journaled");
         if confirmed_post && event.id("target.slack.channel_id").is_some_and(|c| c.starts_with('D')) {
             if event.id("target.slack.thread_ts").is_some_and(|t| !t.trim().is_empty()) {

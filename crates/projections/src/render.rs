@@ -389,12 +389,44 @@ fn plural(n: u64, one: &str, many: &str) -> String {
     }
 }
 
+/// The kind of post a send asked for, as a held notice names it ("your file was not sent").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PostKind {
+    Message,
+    File,
+    /// An ask: a message that expects an answer.
+    Question,
+}
+
+impl PostKind {
+    /// The kind of a send request's `kind` (unknown values read as a message).
+    pub fn of(kind: i32) -> Self {
+        match crate::proto::SendKind::try_from(kind) {
+            Ok(crate::proto::SendKind::File) => PostKind::File,
+            Ok(crate::proto::SendKind::Ask) => PostKind::Question,
+            _ => PostKind::Message,
+        }
+    }
+
+    /// The noun the notice uses.
+    pub fn noun(self) -> &'static str {
+        match self {
+            PostKind::Message => "message",
+            PostKind::File => "file",
+            PostKind::Question => "question",
+        }
+    }
+
+    pub const ALL: [PostKind; 3] = [PostKind::Message, PostKind::File, PostKind::Question];
+}
+
 /// The part of a held notice above its rows.
-pub fn put_held_head(out: &mut impl Sink, new_messages: u64, omitted: u64) {
+pub fn put_held_head(out: &mut impl Sink, kind: PostKind, new_messages: u64, omitted: u64) {
     out.put("=== not posted yet ===\n");
     out.put(&format!(
-        "{} arrived in this conversation since you last looked, so your message was not posted yet.\n",
-        plural(new_messages, "new message", "new messages")
+        "{} arrived in this conversation since you last looked, so your {} was not sent.\n",
+        plural(new_messages, "new message", "new messages"),
+        kind.noun()
     ));
     if omitted > 0 {
         out.put(&format!(
@@ -405,27 +437,42 @@ pub fn put_held_head(out: &mut impl Sink, new_messages: u64, omitted: u64) {
 }
 
 /// The part of a held notice below its rows.
-pub fn put_held_tail(out: &mut impl Sink) {
+pub fn put_held_tail(out: &mut impl Sink, kind: PostKind) {
     out.put("=== what to do ===\n");
-    out.put("Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.\n");
+    out.put(&format!(
+        "Read what arrived. If your {} still fits, send it again unchanged and it will be posted; otherwise send a revised one.\n",
+        kind.noun()
+    ));
 }
 
 /// Upper bound of a held notice's size without its rows.
 pub fn held_frame_bytes_max() -> usize {
-    let mut count = ByteCount::default();
-    put_held_head(&mut count, u64::MAX, u64::MAX);
-    put_held_tail(&mut count);
-    count.0
+    PostKind::ALL
+        .into_iter()
+        .map(|kind| {
+            let mut count = ByteCount::default();
+            put_held_head(&mut count, kind, u64::MAX, u64::MAX);
+            put_held_tail(&mut count, kind);
+            count.0
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// The notice shown when a send is held. `rows` are the shown rows oldest first, with bodies.
-pub fn render_held_notice(reader: &str, new_messages: u64, omitted: u64, rows: &[(&RowMeta, &RowBody)]) -> String {
+pub fn render_held_notice(
+    reader: &str,
+    kind: PostKind,
+    new_messages: u64,
+    omitted: u64,
+    rows: &[(&RowMeta, &RowBody)],
+) -> String {
     let mut out = String::new();
-    put_held_head(&mut out, new_messages, omitted);
+    put_held_head(&mut out, kind, new_messages, omitted);
     for (meta, body) in rows {
         put_row(&mut out, meta, body, Some(reader));
     }
-    put_held_tail(&mut out);
+    put_held_tail(&mut out, kind);
     out
 }
 

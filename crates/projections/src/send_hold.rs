@@ -4,19 +4,28 @@
 //! passes the tail, so a resend with nothing new posts. Because the verdict is the fold's at the
 //! request's position, no send is ever allowed over a foreign message that precedes it in the
 //! log. Any inconsistency fails closed. The draft itself never reaches the log.
+//!
+//! Guards come before the hold: while the agent's active wake is a memory pass, nothing is
+//! posted (the pass is sealed); such a refusal moves no cursor.
 
 use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
-use crate::verdict::{HeldSend, RefusalKind, SendVerdict, Verdict};
+use crate::verdict::{HeldSend, PostKind, RefusalKind, SendVerdict, Verdict};
 
 impl State {
     pub(crate) fn decide_send(&mut self, _at: LogPosition, request: &proto::SendRequested) -> Verdict {
         let agent = request.agent_id.as_str();
         if !self.agents.contains_key(&request.agent_id) {
             return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        }
+        if let Some(pass) = self.active_memory_pass(agent) {
+            return refused(
+                RefusalKind::FailedPrecondition,
+                format!("a memory pass does not post: {agent}'s active wake is the memory pass {pass}"),
+            );
         }
         let Some(surface) = request.target.as_ref().and_then(SurfaceId::from_target) else {
             return refused(RefusalKind::InvalidArgument, "target is missing");
@@ -40,44 +49,64 @@ impl State {
             );
         }
         if last_foreign <= cursor {
-            self.cursors.insert(cursor_key, tail);
+            let advance = match self.advance_cursor(cursor_key, tail) {
+                Ok(advance) => advance,
+                Err(broken) => return cursor_refusal(&surface, broken),
+            };
             return Verdict::Send(SendVerdict::Allowed {
                 surface,
-                cursor_before: Some(cursor),
-                cursor_after: Some(tail),
+                cursor_before: advance.before,
+                cursor_after: Some(advance.after),
             });
         }
         let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
+        // Only foreign rows are new to the agent: its own rows after the cursor are neither
+        // counted nor shown (the cursor passes them with the rest of the tail). Rows older than
+        // the journal's window cannot be told apart any more and count as new.
+        let window_first = journal.recent.front().map_or(tail + 1, |row| row.ordinal);
+        let mut new_messages = window_first.saturating_sub(cursor + 1);
         let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());
         let mut shown = Vec::new();
-        for ordinal in (cursor + 1..=tail).rev() {
-            if shown.len() == ROWS_SHOWN_MAX {
-                break;
-            }
+        let mut showing = true;
+        for ordinal in (cursor.max(window_first - 1) + 1..=tail).rev() {
             let Some(row) = journal.row(ordinal) else {
                 return refused(
                     RefusalKind::FailedPrecondition,
                     format!("row {ordinal} of {surface} is missing from the journal window; refusing to decide"),
                 );
             };
-            let bytes = row.bytes_for(agent);
-            if bytes > budget {
-                break;
+            if row.is_own(agent) {
+                continue;
             }
-            budget -= bytes;
-            shown.push(row.clone());
+            new_messages += 1;
+            let bytes = row.bytes_for(agent);
+            if shown.len() == ROWS_SHOWN_MAX || bytes > budget {
+                showing = false;
+            }
+            if showing {
+                budget -= bytes;
+                shown.push(row.clone());
+            }
         }
         shown.reverse();
-        let new_messages = tail - cursor;
+        debug_assert!(!shown.is_empty() || new_messages > 0, "a hold has a foreign row after the cursor");
         let held = HeldSend {
             surface,
+            kind: PostKind::of(request.kind),
             cursor_before: cursor,
             tail,
             new_messages,
             omitted: new_messages - shown.len() as u64,
             shown,
         };
-        self.cursors.insert(cursor_key, tail);
+        if let Err(broken) = self.advance_cursor(cursor_key, tail) {
+            return cursor_refusal(&held.surface, broken);
+        }
         Verdict::Send(SendVerdict::Held(held))
     }
+}
+
+/// A cursor move the rule forbids: fail closed, never allow.
+fn cursor_refusal(surface: &SurfaceId, broken: crate::cursor::CursorRuleBroken) -> Verdict {
+    refused(RefusalKind::FailedPrecondition, format!("{surface}: {broken}; refusing to decide"))
 }

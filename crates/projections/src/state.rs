@@ -19,7 +19,7 @@ use crate::wake::{AgentQueue, SettledItems};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 7;
+pub const FOLD_VERSION: u32 = 10;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -103,6 +103,11 @@ pub struct State {
     pub linear_activities: Table<String, LinearResponseKey>,
     /// Log seq of the request → response key, to forget the oldest response beyond the bound.
     pub linear_response_order: Table<u64, LinearResponseKey>,
+    /// (agent, session id) → whether the agent received that Linear session and whether it was
+    /// stopped since: only a received, unstopped session may be answered (DESIGN §4.8).
+    pub linear_sessions: Table<(String, String), crate::linear::LinearSessionReceived>,
+    /// Log seq of a session's newest receipt → its key, to forget the oldest beyond the bound.
+    pub linear_session_order: Table<u64, (String, String)>,
     /// The newest `memoryCoherence` configuration in the log (absent: the defaults).
     pub memory_config: Table<(), MemoryConfig>,
     /// Agent → its memory-pass gate: newest history, newest outcome, last window-day queued.
@@ -208,6 +213,8 @@ state_tables! {
     21 => memory_open,
     22 => surfaces,
     23 => agent_keys,
+    24 => linear_sessions,
+    25 => linear_session_order,
 }
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {

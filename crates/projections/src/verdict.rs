@@ -5,9 +5,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::RowMeta;
+pub use crate::render::PostKind;
 use crate::subscription::Route;
 use crate::surface::SurfaceId;
-use crate::wake::{PlanEntry, WakeItem, WakeReason};
+use crate::wake::{NotQueued, PlanEntry, WakeItem, WakeReason};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Verdict {
@@ -17,16 +18,19 @@ pub enum Verdict {
     AgentRegistered,
     Send(SendVerdict),
     Claim(ClaimVerdict),
-    /// The start was accepted; `coalesced` are other queued items its cursors now cover, settled
-    /// without a turn.
+    /// The start was accepted; `moved` are the plan's cursor moves (the facts the explanation
+    /// renders), `coalesced` other queued items its cursors now cover, settled without a turn.
     Started {
         item_id: String,
         coalesced: Vec<String>,
+        moved: Vec<MovedCursor>,
     },
     HeartbeatRecorded,
-    /// A silent running wake was re-queued to resume.
+    /// A silent running wake was re-queued to resume, or a claim never started within its lease
+    /// was re-queued (`started: false`) for any worker to claim.
     Recovered {
         item_id: String,
+        started: bool,
     },
     SubscriptionChanged {
         surface: SurfaceId,
@@ -55,6 +59,16 @@ pub enum Verdict {
     Refused(Refusal),
 }
 
+/// One cursor a decision moved (or left where it was), on one surface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedCursor {
+    pub surface: SurfaceId,
+    pub before: Option<u64>,
+    pub after: u64,
+    /// The surface's tail at the decision.
+    pub tail: u64,
+}
+
 /// What happened to one observation for its receiving agent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JournalVerdict {
@@ -68,8 +82,11 @@ pub struct JournalVerdict {
     /// The wake it queued for the agent, if any.
     pub wake: Option<WakeReason>,
     /// How routing judged it for the agent (`None`: not journaled or unknown agent). A route
-    /// to a wake with `wake: None` was a duplicate item or a full queue.
+    /// to a wake with `wake: None` says in `not_queued` why it was not queued.
     pub route: Option<Route>,
+    /// Why the wake routing earned was not queued: a duplicate item, or a full queue (the agent
+    /// was not woken for it).
+    pub not_queued: Option<NotQueued>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,13 +100,15 @@ pub enum SendVerdict {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeldSend {
     pub surface: SurfaceId,
+    /// What was not sent, as the notice names it.
+    pub kind: PostKind,
     pub cursor_before: u64,
     pub tail: u64,
-    /// Rows after the cursor.
+    /// Foreign rows after the cursor: the agent's own rows there are not new to it.
     pub new_messages: u64,
-    /// Rows after the cursor not shown (the older ones).
+    /// Foreign rows after the cursor not shown (the older ones).
     pub omitted: u64,
-    /// The newest rows that fit the budget, oldest first.
+    /// The newest foreign rows that fit the budget, oldest first.
     pub shown: Vec<RowMeta>,
 }
 
@@ -133,6 +152,8 @@ pub struct LinearSessionVerdict {
     pub duplicate_receipt: bool,
     /// The wake it queued (`None`: duplicate receipt or item, a full queue, or a stop).
     pub wake: Option<WakeReason>,
+    /// Why a receipt's wake was not queued (a duplicate item, or a full queue).
+    pub not_queued: Option<NotQueued>,
     /// For a stop: the queued items of the session it removed.
     pub removed: Vec<String>,
 }

@@ -12,8 +12,9 @@ use crate::subscription::AttentionNote;
 use crate::surface::SurfaceId;
 use crate::table::Table;
 
-/// Queued items per agent. An observation that would queue more is recorded without a wake
-/// (its verdict says so) rather than growing the queue without bound.
+/// Queued items per agent. An observation that would queue more is recorded without a wake, its
+/// verdict saying "not queued: queue full" (counted by analytics), rather than growing the
+/// queue without bound.
 pub const QUEUED_ITEMS_MAX: usize = 10_000;
 /// Settled item ids remembered per agent, for the duplicate check.
 pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
@@ -21,6 +22,29 @@ pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
 pub const SETTLED_REMEMBERED_NS: i64 = 14 * 24 * 3600 * 1_000_000_000;
 /// A running wake without a heartbeat for this long (log time) may be recovered.
 pub const HEARTBEAT_SILENCE_NS: i64 = 30 * 60 * 1_000_000_000;
+/// The claim lease of a claim request that names none (written before leases existed).
+pub const CLAIM_LEASE_DEFAULT_SECONDS: u32 = 300;
+/// The longest claim lease a request may ask for: a day. A claim that waits longer for its start
+/// is stuck by any measure.
+pub const CLAIM_LEASE_MAX_SECONDS: u32 = 86_400;
+
+/// Why a wake an observation earned was not queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NotQueued {
+    /// Its item id is queued, active, or settled within the remembered window.
+    Duplicate,
+    /// The agent's queue holds [`QUEUED_ITEMS_MAX`] items: the agent was not woken for it.
+    QueueFull,
+}
+
+impl NotQueued {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NotQueued::Duplicate => "duplicate",
+            NotQueued::QueueFull => "queue_full",
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum WakeReason {
@@ -101,8 +125,34 @@ pub struct ActiveWake {
     pub claimed_seq: u64,
     /// `Some` once a start was accepted.
     pub started_seq: Option<u64>,
-    /// Log time of the accepted start, then of the newest heartbeat.
+    /// Log time of the claim, then of the accepted start, then of the newest heartbeat.
     pub last_alive_ns: i64,
+    /// How long a claimed (not started) wake stays claimed after its last sign of life, in log
+    /// nanoseconds; the claim request carried it.
+    pub claim_lease_ns: i64,
+}
+
+impl ActiveWake {
+    /// Whether this is a claim whose lease ran out by log time `at_ns`: never started, and no
+    /// sign of life for the whole lease. Such a claim is dead: its start is refused and the
+    /// recovery loop re-queues it.
+    pub fn claim_lease_expired(&self, at_ns: i64) -> bool {
+        self.started_seq.is_none() && at_ns.saturating_sub(self.last_alive_ns) >= self.claim_lease_ns
+    }
+
+    /// Log time at which a claimed wake's lease runs out.
+    pub fn claim_lease_ends_ns(&self) -> i64 {
+        self.last_alive_ns.saturating_add(self.claim_lease_ns)
+    }
+}
+
+/// The lease a claim request asks for, in log nanoseconds (0: the default; bounded).
+pub fn claim_lease_ns(claim_lease_seconds: u32) -> i64 {
+    let seconds = match claim_lease_seconds {
+        0 => CLAIM_LEASE_DEFAULT_SECONDS,
+        seconds => seconds.min(CLAIM_LEASE_MAX_SECONDS),
+    };
+    i64::from(seconds) * 1_000_000_000
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -333,28 +383,33 @@ use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
-use crate::verdict::{ClaimVerdict, ClaimedWake, RefusalKind, Verdict};
+use crate::verdict::{ClaimVerdict, ClaimedWake, MovedCursor, RefusalKind, Verdict};
 
 impl State {
-    /// Queues `item` unless its id is active, queued, or settled within the remembered window.
-    /// Returns the reason when it was queued.
-    pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Option<WakeReason> {
+    /// Queues `item` unless its id is active, queued, or settled within the remembered window,
+    /// or the agent's queue is full. Returns the reason when it was queued, else why not.
+    pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Result<WakeReason, NotQueued> {
         let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled.settled_at(agent, &item.id));
         if let Some(settled_at) = settled_at {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
-                return None;
+                return Err(NotQueued::Duplicate);
             }
         }
         let queue = self.queues.entry_or_default(agent.to_owned());
-        if queue.holds(&item.id) || queue.queued.len() >= QUEUED_ITEMS_MAX {
-            return None;
+        if queue.holds(&item.id) {
+            return Err(NotQueued::Duplicate);
+        }
+        if queue.queued.len() >= QUEUED_ITEMS_MAX {
+            return Err(NotQueued::QueueFull);
         }
         let mut item = item;
         let reason = item.reason;
         item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
-        self.queues.entry_or_default(agent.to_owned()).push_back(item);
+        let queue = self.queues.entry_or_default(agent.to_owned());
+        queue.push_back(item);
+        debug_assert!(queue.queued.len() <= QUEUED_ITEMS_MAX, "a queue never grows beyond its bound");
         self.note_memory_history(at, agent);
-        Some(reason)
+        Ok(reason)
     }
 
     /// Records that `item_id` settled, forgetting the agent's oldest settled id beyond the bound.
@@ -461,13 +516,16 @@ impl State {
             return refused(RefusalKind::InvalidArgument, "worker_id is empty");
         }
         if let Some(active) = self.queue(&agent).and_then(|q| q.active.as_ref()) {
-            return refused(
-                RefusalKind::Aborted,
+            let state = if active.started_seq.is_some() {
+                "running".to_owned()
+            } else {
                 format!(
-                    "the agent already has a {} wake; this claim lost",
-                    if active.started_seq.is_some() { "running" } else { "claimed" }
-                ),
-            );
+                    "claimed (by {}; its lease ends {} s from now unless it starts or heart-beats)",
+                    active.worker,
+                    active.claim_lease_ends_ns().saturating_sub(at.at_ns).max(0) / 1_000_000_000
+                )
+            };
+            return refused(RefusalKind::Aborted, format!("the agent already has a {state} wake; this claim lost"));
         }
         let mut settled_without_turn = Vec::new();
         loop {
@@ -511,6 +569,7 @@ impl State {
                 claimed_seq: at.seq,
                 started_seq: None,
                 last_alive_ns: at.at_ns,
+                claim_lease_ns: claim_lease_ns(request.claim_lease_seconds),
             });
             return Verdict::Claim(ClaimVerdict::Claimed(Box::new(ClaimedWake {
                 item,
@@ -536,6 +595,9 @@ impl State {
         }
         if active.started_seq.is_some() {
             return refused(RefusalKind::FailedPrecondition, "that wake already started");
+        }
+        if active.claim_lease_expired(at.at_ns) {
+            return self.release_expired_claim(&agent, &active, "start");
         }
         let mut plan = Vec::with_capacity(request.plan.len());
         for entry in &request.plan {
@@ -570,20 +632,29 @@ impl State {
             }
             return refused(RefusalKind::Aborted, message);
         }
+        // Every cursor of the plan is checked before any moves: the start moves all or none.
         for entry in &plan {
-            let tail = self.journal(&entry.surface).map_or(0, |j| j.tail);
-            if entry.target > tail {
+            if let Err(broken) = self.check_cursor_advance(&agent, &entry.surface, entry.target) {
                 return refused(
                     RefusalKind::FailedPrecondition,
-                    format!("plan target {} is beyond the tail {tail} of {}", entry.target, entry.surface),
+                    format!("plan target {} of {}: {broken}", entry.target, entry.surface),
                 );
             }
         }
         let agent_key = self.agent_keys.intern(&agent);
+        let mut moved = Vec::with_capacity(plan.len());
         for entry in &plan {
             let key = (agent_key, self.surfaces.intern(&entry.surface));
-            let next = self.cursors.get(&key).copied().unwrap_or(0).max(entry.target);
-            self.cursors.insert(key, next);
+            let advanced = self.advance_cursor(key, entry.target);
+            debug_assert!(advanced.is_ok(), "checked above: {advanced:?}");
+            if let Ok(advance) = advanced {
+                moved.push(MovedCursor {
+                    surface: entry.surface.clone(),
+                    before: advance.before,
+                    after: advance.after,
+                    tail: advance.tail,
+                });
+            }
         }
         if let Some(active) = self.queues.get_mut(&agent).and_then(|q| q.active.as_mut()) {
             active.started_seq = Some(at.seq);
@@ -593,7 +664,7 @@ impl State {
             self.note_memory_pass_started(at, &active.item.id);
         }
         let coalesced = self.coalesce(at, &agent, &plan);
-        Verdict::Started { item_id: request.item_id.clone(), coalesced }
+        Verdict::Started { item_id: request.item_id.clone(), coalesced, moved }
     }
 
     /// Settles queued items whose trigger rows the start's cursors now cover (derived settles),
@@ -623,40 +694,71 @@ impl State {
         covered
     }
 
+    /// A heartbeat extends a running wake's life and a claimed one's lease, by log time.
     pub(crate) fn record_heartbeat(&mut self, at: LogPosition, request: &proto::WakeHeartbeat) -> Verdict {
-        let active = self.queues.get_mut(&request.agent_id).and_then(|q| q.active.as_mut());
+        let active = self.queue(&request.agent_id).and_then(|q| q.active.clone());
         match active {
-            Some(active)
-                if active.item.id == request.item_id
-                    && active.worker == request.worker_id
-                    && active.started_seq.is_some() =>
-            {
+            Some(active) if active.item.id == request.item_id && active.worker == request.worker_id => {
+                if active.claim_lease_expired(at.at_ns) {
+                    return self.release_expired_claim(&request.agent_id, &active, "heartbeat");
+                }
+                let active = self.queues.get_mut(&request.agent_id).and_then(|q| q.active.as_mut());
+                let active = active.expect("checked above");
+                debug_assert!(active.last_alive_ns <= at.at_ns, "log time is monotonic");
                 active.last_alive_ns = at.at_ns;
                 Verdict::HeartbeatRecorded
             }
-            _ => refused(RefusalKind::FailedPrecondition, "that item is not running for this worker"),
+            _ => refused(RefusalKind::FailedPrecondition, "that item is not claimed or running for this worker"),
         }
     }
 
+    /// A claim whose lease ran out is dead at the request that finds it so: the item goes back
+    /// to the front of the queue (as it was: a claim moved no cursor) for any worker to claim,
+    /// and the request is refused as one that may succeed when redone (claim again).
+    fn release_expired_claim(&mut self, agent: &str, active: &ActiveWake, what: &str) -> Verdict {
+        let queue = self.queues.get_mut(&agent.to_owned()).expect("an active wake has a queue");
+        debug_assert!(queue.active.as_ref().is_some_and(|a| a.item.id == active.item.id && a.started_seq.is_none()));
+        if let Some(released) = queue.active.take() {
+            queue.push_front(released.item);
+        }
+        refused(
+            RefusalKind::Aborted,
+            format!(
+                "the claim's lease of {} s ran out before this {what} (claimed at seq {}); the wake is queued again: claim again",
+                active.claim_lease_ns / 1_000_000_000,
+                active.claimed_seq
+            ),
+        )
+    }
+
     /// Re-queues a running wake whose last sign of life is older than
-    /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies.
+    /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies, or a claimed
+    /// wake never started within its lease, as it was (it moved no cursor).
     pub(crate) fn recover_wake(&mut self, at: LogPosition, request: &proto::WakeRecoveryRequested) -> Verdict {
         let Some(queue) = self.queues.get(&request.agent_id) else {
-            return refused(RefusalKind::FailedPrecondition, "the agent has no running wake");
+            return refused(RefusalKind::FailedPrecondition, "the agent has no claimed or running wake");
         };
-        match &queue.active {
+        let started = match &queue.active {
             Some(active) if active.item.id == request.item_id && active.started_seq.is_some() => {
                 if at.at_ns.saturating_sub(active.last_alive_ns) < HEARTBEAT_SILENCE_NS {
                     return refused(RefusalKind::Aborted, "the wake's heartbeat is recent; not recovered");
                 }
+                true
             }
-            _ => return refused(RefusalKind::FailedPrecondition, "that item is not running"),
-        }
+            Some(active) if active.item.id == request.item_id => {
+                if !active.claim_lease_expired(at.at_ns) {
+                    return refused(RefusalKind::Aborted, "the claim's lease has not run out; not recovered");
+                }
+                false
+            }
+            _ => return refused(RefusalKind::FailedPrecondition, "that item is not claimed or running"),
+        };
         let queue = self.queues.get_mut(&request.agent_id).expect("checked above");
         let mut item = queue.active.take().expect("checked above").item;
-        item.resume_after_restart = true;
+        // Only a started wake may have had side effects to continue after; a claim had none.
+        item.resume_after_restart |= started;
         queue.push_front(item);
-        Verdict::Recovered { item_id: request.item_id.clone() }
+        Verdict::Recovered { item_id: request.item_id.clone(), started }
     }
 
     pub(crate) fn finish_wake(&mut self, at: LogPosition, request: &proto::WakeFinishRequested) -> Verdict {

@@ -65,10 +65,87 @@ const ACK_INFLIGHT_PER_CONNECTION_FACTOR: usize = 4;
 /// forever.
 const READ_STALL_MIN: Duration = Duration::from_secs(15);
 
+/// Most servers one server list may name. A cluster has 3 or 5; the bound keeps a mistaken list
+/// (a pasted file) from becoming thousands of connection attempts.
+pub const SERVERS_MAX: usize = 32;
+
+/// Longest server URL accepted, in bytes: a host name is at most 253, credentials and a port fit
+/// in the rest.
+pub const SERVER_URL_BYTES_MAX: usize = 1_024;
+
+/// Interval of the client's PINGs on an idle connection. async-nats drops a connection when a
+/// third PING finds two unanswered, so a frozen server (SIGSTOP, a dead route) is left for
+/// another one after about three intervals: ~6 s here, against ~3 minutes with the library's
+/// default of 60 s. Any traffic from the server resets the timer, so a busy connection sends none.
+pub const PING_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Longest wait for one server's handshake (TCP, INFO, CONNECT). A healthy one takes
+/// milliseconds; a frozen server still accepts the TCP connection (the kernel does) and then
+/// says nothing, so a reconnect that picks it again would otherwise wait the whole
+/// `request_timeout` (measured: 15 s to leave a frozen node with 10 s, ~8 s with this bound).
+pub const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(2);
+
+/// The servers of a comma-separated list such as `nats://10.0.0.1:4222,nats://10.0.0.2:4222`, in
+/// order (`host:port` alone means `nats://`). The error names the entry (quoted, clipped) and
+/// what is wrong with it, for a message that then names the flag or key it came from.
+pub fn parse_servers(list: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    let entries: Vec<&str> = list.split(',').map(str::trim).collect();
+    if entries.len() > SERVERS_MAX {
+        return Err(format!("names {} servers; at most {SERVERS_MAX}", entries.len()));
+    }
+    let mut servers = Vec::with_capacity(entries.len());
+    for (index, entry) in entries.iter().enumerate() {
+        if entry.is_empty() {
+            return Err(if entries.len() == 1 {
+                "must name at least one server, e.g. nats://127.0.0.1:4222".to_owned()
+            } else {
+                format!("server {} of {} is empty (a stray comma?)", index + 1, entries.len())
+            });
+        }
+        if entry.len() > SERVER_URL_BYTES_MAX {
+            return Err(format!(
+                "{} is {} bytes; a server URL has at most {SERVER_URL_BYTES_MAX}",
+                crate::validate::echo(entry),
+                entry.len()
+            ));
+        }
+        let server: async_nats::ServerAddr =
+            entry.parse().map_err(|e| format!("{} is not a NATS server URL: {e}", crate::validate::echo(entry)))?;
+        if server.host().is_empty() {
+            return Err(format!("{} names no host", crate::validate::echo(entry)));
+        }
+        servers.push(server);
+    }
+    Ok(servers)
+}
+
+/// Connects a client to the first reachable server of `config.url` (a comma-separated list),
+/// with the bounds this log relies on: [`CONNECT_TIMEOUT_MAX`] per handshake, the request
+/// timeout and [`PING_INTERVAL`]. A malformed list is a configuration error (`Store`), not `Unavailable`:
+/// retrying cannot fix it.
+pub async fn connect_client(config: &JetStreamConfig, name: &str) -> LogResult<async_nats::Client> {
+    let servers = parse_servers(&config.url).map_err(|e| LogError::Store(format!("NATS server list: {e}")))?;
+    async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(config.request_timeout.min(CONNECT_TIMEOUT_MAX))
+        .request_timeout(Some(config.request_timeout))
+        .ping_interval(PING_INTERVAL)
+        .connect(servers)
+        .await
+        .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))
+}
+
+/// Default [`JetStreamConfig::ack_timeout`]: 2 s, about 10× a loaded R3 ack with 4096 in flight
+/// on this project's machines (~130 ms), and short enough that publishes sent to a leader that
+/// died are retried while the cluster elects the next one (4–7 s measured), not 10 s later.
+pub const ACK_TIMEOUT_DEFAULT: Duration = Duration::from_secs(2);
+
 /// Settings of the JetStream log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JetStreamConfig {
-    /// Server URL(s), e.g. `nats://127.0.0.1:4222`; comma-separated for a cluster.
+    /// Server URL(s), e.g. `nats://127.0.0.1:4222`; comma-separated for a cluster (see
+    /// [`parse_servers`]). The client connects to the first that answers and learns the rest of
+    /// the cluster from it, so an engine can start while any one listed node is down.
     pub url: String,
     /// Stream name. Several deployments can share a server under different names only if their
     /// subjects do not overlap, and they all use `anima.v1.>`: one deployment per account.
@@ -83,8 +160,14 @@ pub struct JetStreamConfig {
     /// Publish acks in flight per `append_batch`. 256 in flight give ~108k msg/s, 4096 ~121k
     /// (FIELD-NOTES); the bound also limits how much a failover can leave undecided.
     pub ack_window: usize,
-    /// Bound on connecting, every JetStream API request and every awaited publish ack.
+    /// Bound on connecting and every JetStream API request.
     pub request_timeout: Duration,
+    /// Bound on each publish's ack, from its first poll (acks are polled together as soon as
+    /// they are sent). An R3 ack takes milliseconds; one that is missing after this long was
+    /// sent to a stream leader that died, and the client would otherwise wait the whole
+    /// `request_timeout` before the caller could retry it with the new leader. The append then
+    /// fails `Unavailable`, and a retry with the same msg ids is deduplicated.
+    pub ack_timeout: Duration,
 }
 
 impl Default for JetStreamConfig {
@@ -97,6 +180,7 @@ impl Default for JetStreamConfig {
             max_age: None,
             ack_window: 1024,
             request_timeout: Duration::from_secs(10),
+            ack_timeout: ACK_TIMEOUT_DEFAULT,
         }
     }
 }
@@ -137,6 +221,12 @@ impl JetStreamConfig {
         if self.request_timeout.is_zero() {
             return misconfigured("request_timeout must be positive".into());
         }
+        if self.ack_timeout.is_zero() {
+            return misconfigured("ack_timeout must be positive".into());
+        }
+        if let Err(e) = parse_servers(&self.url) {
+            return misconfigured(format!("NATS server list: {e}"));
+        }
         Ok(())
     }
 
@@ -169,6 +259,7 @@ pub struct JetStreamLog {
     stream_name: String,
     identity: String,
     ack_window: usize,
+    ack_timeout: Duration,
     /// Whether the stream allows direct gets; if not, `get` asks the leader.
     allow_direct: bool,
     read_stall_timeout: Duration,
@@ -189,13 +280,7 @@ impl JetStreamLog {
     /// `Unavailable`; incompatible stream or settings: `Store` naming every problem.
     pub async fn connect(config: JetStreamConfig) -> LogResult<Self> {
         config.validate()?;
-        let client = async_nats::ConnectOptions::new()
-            .name("anima-engine")
-            .connection_timeout(config.request_timeout)
-            .request_timeout(Some(config.request_timeout))
-            .connect(config.url.as_str())
-            .await
-            .map_err(|e| LogError::Unavailable(format!("cannot connect to NATS at {}: {e}", config.url)))?;
+        let client = connect_client(&config, "anima-engine").await?;
         let context = jetstream::ContextBuilder::new()
             .timeout(config.request_timeout)
             .max_ack_inflight(config.ack_window.saturating_mul(ACK_INFLIGHT_PER_CONNECTION_FACTOR))
@@ -238,9 +323,25 @@ impl JetStreamLog {
             stream,
             identity,
             ack_window: config.ack_window,
+            // The client's own ack timeout is `request_timeout`: past it, ours cannot fire.
+            ack_timeout: config.ack_timeout.min(config.request_timeout),
             allow_direct,
             read_stall_timeout: config.request_timeout.saturating_mul(3).max(READ_STALL_MIN),
         })
+    }
+
+    /// The name of the server this log's connection is on now (it moves on failover): for
+    /// operators' logs and failover tests.
+    pub fn connected_server(&self) -> String {
+        self.client.server_info().server_name
+    }
+
+    /// Awaits an ack for at most `ack_timeout`; a missing ack reads like the client's own timeout.
+    async fn ack(&self, ack: PublishAckFuture) -> Result<PublishAck, PublishError> {
+        match tokio::time::timeout(self.ack_timeout, ack).await {
+            Ok(ack) => ack,
+            Err(_) => Err(PublishError::new(PublishErrorKind::TimedOut)),
+        }
     }
 
     /// Publishes one record; the returned future resolves to its ack.
@@ -301,7 +402,7 @@ impl EventLog for JetStreamLog {
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
         validate_record(&record)?;
         let ack = self.publish(&record).await?;
-        self.outcome(ack.await)
+        self.outcome(self.ack(ack).await)
     }
 
     async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
@@ -334,7 +435,7 @@ impl EventLog for JetStreamLog {
                     }
                 },
             };
-            in_flight.push(async move { (index, ack.await) });
+            in_flight.push(async move { (index, self.ack(ack).await) });
         }
         while let Some((acked, ack)) = in_flight.next().await {
             outcomes[acked] = Some(self.outcome(ack)?);
@@ -442,6 +543,9 @@ impl EventLog for JetStreamLog {
             Ok(message) => stream_message_record(message).map(Some),
             Err(e) => match e.kind() {
                 RawMessageErrorKind::NoMessageFound => Ok(None),
+                RawMessageErrorKind::JetStream(api) if retryable(&api) => {
+                    Err(LogError::Unavailable(format!("get of {seq} (retry): {e}")))
+                }
                 RawMessageErrorKind::JetStream(_) | RawMessageErrorKind::InvalidSubject => {
                     Err(LogError::Store(format!("get of {seq}: {e}")))
                 }
@@ -550,6 +654,10 @@ async fn open_stream(context: &jetstream::Context, config: &JetStreamConfig) -> 
                     .await
                     .map_err(|e| LogError::Unavailable(format!("cannot read stream {}: {e}", config.stream)))
             }
+            CreateStreamErrorKind::JetStream(api) if retryable(&api) => Err(LogError::Unavailable(format!(
+                "cannot create stream {} yet (the cluster is electing or placing it): {e}",
+                config.stream
+            ))),
             CreateStreamErrorKind::JetStream(_)
             | CreateStreamErrorKind::EmptyStreamName
             | CreateStreamErrorKind::InvalidStreamName
@@ -664,13 +772,43 @@ fn publish_error(e: PublishError) -> LogError {
     }
 }
 
-/// A JetStream API error anywhere in the chain means the server answered and refused: `Store`
-/// (fail closed). Anything else (timeouts, no responders, a dropped connection) is transport:
-/// `Unavailable`.
+/// Whether a JetStream API error may succeed if the same request is retried: the cluster is
+/// between leaders or still replicating, not refusing the request for good.
+///
+/// * `duplicate message id is in process` (10158): a retry reached the leader while the first
+///   copy was still being replicated; retrying with the same msg id then answers "duplicate".
+/// * No leader, no quorum, peers or placement missing, a Raft or member change under way
+///   (10004-10009, 10041, 10075, 10202): an election or a node coming back, over in seconds.
+///
+/// Everything else (a wrong configuration, limits, a missing stream) is permanent: fail closed.
+fn retryable(error: &jetstream::Error) -> bool {
+    use jetstream::ErrorCode;
+    const RETRYABLE: [ErrorCode; 10] = [
+        ErrorCode::STREAM_DUPLICATE_MESSAGE_CONFLICT,
+        ErrorCode::CLUSTER_INCOMPLETE,
+        ErrorCode::CLUSTER_NO_PEERS,
+        ErrorCode::CLUSTER_NOT_ACTIVE,
+        ErrorCode::CLUSTER_NOT_ASSIGNED,
+        ErrorCode::CLUSTER_NOT_AVAILABLE,
+        ErrorCode::CLUSTER_NOT_LEADER,
+        ErrorCode::RAFT_GENERAL,
+        ErrorCode::PEER_REMAP,
+        ErrorCode::CLUSTER_SERVER_MEMBER_CHANGE_INFLIGHT,
+    ];
+    RETRYABLE.contains(&error.error_code())
+}
+
+/// A JetStream API error that may pass on retry ([`retryable`]), or no API error at all
+/// (timeouts, no responders during an election, a dropped connection), is `Unavailable`: the
+/// caller retries with the same msg id. Any other API error anywhere in the chain means the
+/// server answered and refused for good: `Store` (fail closed).
 fn classify(operation: &str, error: &(dyn std::error::Error + 'static)) -> LogError {
     let mut source = Some(error);
     while let Some(current) = source {
-        if current.downcast_ref::<jetstream::Error>().is_some() {
+        if let Some(api) = current.downcast_ref::<jetstream::Error>() {
+            if retryable(api) {
+                return LogError::Unavailable(format!("{operation} (retry with the same msg_id): {error}"));
+            }
             return LogError::Store(format!("{operation}: {error}"));
         }
         source = current.source();
@@ -706,6 +844,39 @@ mod tests {
         for malformed in ["", "anima..v1", "anima.>.x", "anima.v1.a*", "anima.v1.a b"] {
             assert!(matches!(plan(malformed), Err(LogError::Invalid(_))), "{malformed:?}");
         }
+    }
+
+    fn api_error(code: usize, err_code: u64, description: &str) -> PublishError {
+        let api: jetstream::Error = serde_json::from_value(serde_json::json!({
+            "code": code, "err_code": err_code, "description": description,
+        }))
+        .expect("an API error");
+        PublishError::with_source(PublishErrorKind::Other, api)
+    }
+
+    #[test]
+    fn errors_that_pass_on_retry_are_unavailable_and_refusals_fail_closed() {
+        let retry = [
+            api_error(409, 10158, "duplicate message id is in process"),
+            api_error(503, 10008, "JetStream system temporarily unavailable"),
+            api_error(500, 10009, "JetStream cluster can not handle request"),
+            api_error(500, 10041, "raft general error"),
+        ];
+        for error in retry {
+            let shown = error.to_string();
+            assert!(matches!(publish_error(error), LogError::Unavailable(_)), "{shown}");
+        }
+        let refused = [
+            api_error(400, 10054, "message size exceeds maximum allowed"),
+            api_error(400, 10047, "insufficient storage resources available"),
+            api_error(503, 10039, "jetstream not enabled for account"),
+        ];
+        for error in refused {
+            let shown = error.to_string();
+            assert!(matches!(publish_error(error), LogError::Store(_)), "{shown}");
+        }
+        assert!(matches!(publish_error(PublishError::new(PublishErrorKind::TimedOut)), LogError::Unavailable(_)));
+        assert!(matches!(publish_error(PublishError::new(PublishErrorKind::StreamNotFound)), LogError::Unavailable(_)));
     }
 
     #[test]

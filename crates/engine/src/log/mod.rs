@@ -89,7 +89,10 @@ impl SubjectFilter {
                 || (token.len() > 1 && token.contains(['*', '>']))
                 || (*token == ">" && index != last);
             if malformed {
-                return Err(LogError::Invalid(format!("subject filter {:?} is malformed", self.0)));
+                return Err(LogError::Invalid(format!(
+                    "subject filter {} is malformed",
+                    crate::validate::echo(&self.0)
+                )));
             }
         }
         Ok(())
@@ -99,12 +102,15 @@ impl SubjectFilter {
 /// Errors of log operations. Each variant says what the caller should do.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    /// The log cannot be reached or did not answer in time. Retry with the same `msg_id`; the
-    /// append may or may not have been stored. Maps to `UNAVAILABLE`.
+    /// The log cannot be reached, did not answer in time, or answered with an error that passes
+    /// on retry (a cluster electing a leader, a first copy of the same msg id still
+    /// replicating). Retry with the same `msg_id`; the append may or may not have been stored.
+    /// Maps to `UNAVAILABLE`.
     #[error("event log unavailable: {0}")]
     Unavailable(String),
     /// The store is inconsistent or misconfigured (e.g. the stream exists with incompatible
-    /// settings, a record does not decode). Do not retry blindly; fail closed.
+    /// settings, a record does not decode, a malformed server list), or the server refused for
+    /// good. Do not retry blindly; fail closed. Maps to `FAILED_PRECONDITION`.
     #[error("event log store error: {0}")]
     Store(String),
     /// The input cannot be stored (empty subject or msg id, subject outside `anima.v1.>`, over
@@ -167,7 +173,10 @@ pub fn validate_record(record: &AppendRecord) -> LogResult<()> {
         return Err(LogError::Invalid("msg_id must not contain whitespace or control characters".into()));
     }
     if !record.subject.starts_with("anima.v1.") || crate::subject::check_subject(&record.subject).is_err() {
-        return Err(LogError::Invalid(format!("subject {:?} is not a valid anima.v1 subject", record.subject)));
+        return Err(LogError::Invalid(format!(
+            "subject {} is not a valid anima.v1 subject",
+            crate::validate::echo(&record.subject)
+        )));
     }
     if record.payload.len() > PAYLOAD_BYTES_MAX {
         return Err(LogError::Invalid(format!(

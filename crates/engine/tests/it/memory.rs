@@ -96,6 +96,7 @@ async fn run_agent(engine: &Engine, agent: &str) -> Vec<(String, MemoryOutcome, 
             worker_id: "worker-1".into(),
             item_id: String::new(),
             memory_md_bytes: 4_000,
+            claim_lease_seconds: 0,
         };
         let outcome = engine.claim(claim, "").await.expect("claim");
         let Some(wake) = outcome.wake else { return passes };

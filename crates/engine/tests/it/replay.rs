@@ -326,6 +326,36 @@ async fn counts_give_the_hold_rate_wakes_and_placements_without_content() {
     assert_eq!((sends.total.events, sends.total.sends_held), (1, 1));
 }
 
+/// `Analytics.Counts` of a live instance answers from its maintained counters exactly what a
+/// refold of the log answers, also after a restart restored the counters from the checkpoint;
+/// a part of the log the counters cannot cut exactly is refolded.
+#[tokio::test]
+async fn maintained_counts_equal_a_refold_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let instance = start_instance(dir.path()).await;
+    incident(instance.engine.log().as_ref()).await;
+    let replayer = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
+    let everything = LogRange::default();
+    let refolded = replayer.counts(everything, TimeBucket::Day).await.unwrap();
+    let projection = Some(instance.engine.projection().as_ref());
+    let maintained = anima_engine::analytics::answer_counts(&replayer, projection, everything, TimeBucket::Day).await;
+    assert_eq!(maintained.unwrap(), refolded);
+    assert!(instance.engine.projection().analytics().buckets_len() > 0, "the runner counted");
+    let part = LogRange { from: Some(LogPoint::Seq(6)), to: Some(LogPoint::Seq(6)) };
+    let (_, _, sends) =
+        anima_engine::analytics::answer_counts(&replayer, projection, part, TimeBucket::Minute).await.unwrap();
+    assert_eq!((sends.total.events, sends.total.sends_held), (1, 1));
+    drop(replayer);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+
+    let instance = start_instance(dir.path()).await;
+    let replayer = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
+    let restored = instance.engine.projection().analytics().counts(1, 9, TimeBucket::Day, 9);
+    assert_eq!(restored, Some(refolded.2), "the counters came back from the checkpoint");
+    drop(replayer);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+}
+
 async fn start_instance(dir: &std::path::Path) -> Instance {
     Instance::start(InstanceConfig::new(dir, Backend::Embedded(EmbeddedConfig::default()))).await.unwrap()
 }

@@ -7,6 +7,11 @@
 //! `--progress-interval-secs`: where it is, how fast, how long is left. Nothing is printed for
 //! runs shorter than that, and nothing at all through `--api` (the server folds there).
 //!
+//! The bar redraws at most [`BAR_REDRAWS_PER_SECOND_MAX`] times a second. Output to the same
+//! terminal retires it for the rest of the command (the output itself shows the progress, and
+//! redrawing the bar under every chunk of it would flood the terminal); output to a file or a pipe
+//! leaves it alone.
+//!
 //! One command may fold twice (a timeline with outcomes folds up to its range, then reads the
 //! range): each run the replayer reports on is a phase with its own start, end and rate. A phase
 //! starts when the end sequence changes or the event count starts over.
@@ -32,6 +37,9 @@ pub enum ProgressMode {
 /// the plain lines (the phase's average so far: `indicatif`'s own estimate starts from the
 /// first jump of a bar made mid-phase, and shows millions per second until it settles).
 const BAR_TEMPLATE: &str = "replay {elapsed_precise} [{wide_bar}] {human_pos}/{human_len} ({percent}%) {msg}";
+
+/// Redraws of the bar per second, at most.
+const BAR_REDRAWS_PER_SECOND_MAX: u8 = 10;
 
 /// One run of a fold or read, as reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,6 +147,8 @@ struct ReporterState {
     /// When the last line was printed (lines display); starts at creation, so a run shorter than
     /// one interval prints nothing.
     last_line_at: Instant,
+    /// Output went to the terminal the bar is drawn on: no bar from then on.
+    bar_retired: bool,
 }
 
 /// Shows the replayer's progress reports on stderr. Shared with the replayer's callback.
@@ -158,7 +168,12 @@ impl ProgressReporter {
         };
         Arc::new(ProgressReporter {
             display,
-            state: Mutex::new(ReporterState { phase: None, bar: None, last_line_at: Instant::now() }),
+            state: Mutex::new(ReporterState {
+                phase: None,
+                bar: None,
+                last_line_at: Instant::now(),
+                bar_retired: false,
+            }),
         })
     }
 
@@ -192,6 +207,7 @@ impl ProgressReporter {
         };
         state.phase = Some(phase);
         match self.display {
+            Display::Bar if state.bar_retired => {}
             Display::Bar => {
                 let (done, message) = (phase.done(&progress), bar_message(&phase, &progress));
                 match &state.bar {
@@ -212,13 +228,13 @@ impl ProgressReporter {
         }
     }
 
-    /// Runs `write` with the bar (if any) hidden, so that output to the same terminal does not
-    /// draw over it or get erased by its next redraw.
-    pub fn suspend<R>(&self, write: impl FnOnce() -> R) -> R {
-        let bar = self.state().bar.clone();
-        match bar {
-            Some(bar) => bar.suspend(write),
-            None => write(),
+    /// Output is about to go to the terminal the bar is drawn on: clears the bar and draws none
+    /// for the rest of the command, so output and bar never overwrite each other.
+    pub fn retire_bar(&self) {
+        let mut state = self.state();
+        state.bar_retired = true;
+        if let Some(bar) = state.bar.take() {
+            bar.finish_and_clear();
         }
     }
 
@@ -233,7 +249,8 @@ impl ProgressReporter {
 /// A bar for a phase of `length` sequences that has run for `elapsed` and done `done` of them.
 fn new_bar(length: u64, elapsed: Duration, done: u64, message: String) -> ProgressBar {
     let style = ProgressStyle::with_template(BAR_TEMPLATE).expect("the bar template is valid").progress_chars("=> ");
-    let bar = ProgressBar::with_draw_target(Some(length), ProgressDrawTarget::stderr())
+    let target = ProgressDrawTarget::stderr_with_hz(BAR_REDRAWS_PER_SECOND_MAX);
+    let bar = ProgressBar::with_draw_target(Some(length), target)
         .with_style(style)
         .with_elapsed(elapsed)
         .with_position(done)
@@ -243,28 +260,30 @@ fn new_bar(length: u64, elapsed: Duration, done: u64, message: String) -> Progre
     bar
 }
 
-/// A writer whose writes hide the reporter's bar while they happen (stdout on the terminal the
-/// bar is drawn on).
+/// The command's output (stdout): when it is a terminal, its first write retires the reporter's
+/// bar ([`ProgressReporter::retire_bar`]); a file or a pipe does not touch the bar.
 pub struct BarSafeWriter<W> {
     inner: W,
-    reporter: Arc<ProgressReporter>,
+    /// Set while the bar still has to be retired before a write.
+    reporter: Option<Arc<ProgressReporter>>,
 }
 
 impl<W> BarSafeWriter<W> {
-    pub fn new(inner: W, reporter: Arc<ProgressReporter>) -> Self {
-        BarSafeWriter { inner, reporter }
+    pub fn new(inner: W, inner_is_terminal: bool, reporter: Arc<ProgressReporter>) -> Self {
+        BarSafeWriter { inner, reporter: inner_is_terminal.then_some(reporter) }
     }
 }
 
 impl<W: std::io::Write> std::io::Write for BarSafeWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let BarSafeWriter { inner, reporter } = self;
-        reporter.suspend(|| inner.write(buf))
+        if let Some(reporter) = self.reporter.take() {
+            reporter.retire_bar();
+        }
+        self.inner.write(buf)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
-        let BarSafeWriter { inner, reporter } = self;
-        reporter.suspend(|| inner.flush())
+        self.inner.flush()
     }
 }
 
@@ -315,6 +334,28 @@ mod tests {
         assert_eq!(printed_at(&reporter), start + Duration::from_secs(5));
         reporter.report(at(60_000, 100_000, 60_000, 6), start + Duration::from_secs(6));
         assert_eq!(printed_at(&reporter), start + Duration::from_secs(5), "one line per interval");
+    }
+
+    #[test]
+    fn output_to_the_bars_terminal_retires_the_bar_and_output_elsewhere_does_not() {
+        use std::io::Write as _;
+        let has_bar = |reporter: &ProgressReporter| reporter.state().bar.is_some();
+        // Given a bar that is drawn,
+        let reporter = ProgressReporter::new(ProgressMode::Bar, Duration::from_secs(5));
+        reporter.report(at(10_000, 100_000, 10_000, 1), Instant::now());
+        assert!(has_bar(&reporter));
+        // output to a file or a pipe leaves it;
+        let mut to_file = BarSafeWriter::new(Vec::new(), false, reporter.clone());
+        writeln!(to_file, "an event").unwrap();
+        assert!(has_bar(&reporter));
+        // output to its terminal clears it, and no later report draws one again.
+        let mut to_terminal = BarSafeWriter::new(Vec::new(), true, reporter.clone());
+        writeln!(to_terminal, "an event").unwrap();
+        assert!(!has_bar(&reporter));
+        reporter.report(at(20_000, 100_000, 20_000, 2), Instant::now());
+        reporter.report(at(10_000, 50_000, 10_000, 1), Instant::now());
+        assert!(!has_bar(&reporter));
+        assert_eq!(to_terminal.inner, b"an event\n");
     }
 
     #[test]

@@ -223,7 +223,7 @@ fn describe_verdict(log: &TestLog, seq: u64) -> String {
         Verdict::Send(SendVerdict::Held(held)) => {
             let bodies = log.with_bodies(&held.shown);
             let rows: Vec<_> = bodies.iter().map(|(meta, body)| (*meta, body)).collect();
-            let notice = render::render_held_notice("ada", held.new_messages, held.omitted, &rows);
+            let notice = render::render_held_notice("ada", held.kind, held.new_messages, held.omitted, &rows);
             writeln!(
                 out,
                 "held on {}: new {}, shown {}, cursor {} -> {}\n{notice}",
@@ -514,20 +514,20 @@ fn foreign_chat_rows_after_the_cursor_hold_the_send_and_the_resend_posts() {
         &given,
         send_to_chat("p1", ""),
         expect![[r#"
-        held on chat:t1:p1: new 2, shown 2, cursor 1 -> 3
-        === not posted yet ===
-        2 new messages arrived in this conversation since you last looked, so your message was not posted yet.
-        [#2 2023-11-14 22:13:25 UTC] Uma <ou_uma>
-        > one more thing
-        [#3 2023-11-14 22:13:26 UTC] Uma <ou_uma>
-        > and another
-        === what to do ===
-        Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.
+            held on chat:t1:p1: new 2, shown 2, cursor 1 -> 3
+            === not posted yet ===
+            2 new messages arrived in this conversation since you last looked, so your message was not sent.
+            [#2 2023-11-14 22:13:25 UTC] Uma <ou_uma>
+            > one more thing
+            [#3 2023-11-14 22:13:26 UTC] Uma <ou_uma>
+            > and another
+            === what to do ===
+            Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.
 
-        --- after ---
-        newest queued: chat:t1:p1:om_3 dm reply_to chat:t1:p1
-        cursors: chat:t1:p1@3
-    "#]],
+            --- after ---
+            newest queued: chat:t1:p1:om_3 dm reply_to chat:t1:p1
+            cursors: chat:t1:p1@3
+        "#]],
     );
     let mut log = TestLog::with(&given);
     log.fold(send_to_chat("p1", ""));

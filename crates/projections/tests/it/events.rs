@@ -114,6 +114,7 @@ pub fn claim_item(agent_id: &str, worker: &str, item: &str) -> Envelope {
             worker_id: worker.to_owned(),
             item_id: item.to_owned(),
             memory_md_bytes: 0,
+            claim_lease_seconds: 0,
         }),
     )
 }
@@ -173,6 +174,39 @@ pub fn finish_item(agent_id: &str, worker: &str, item: &str, outcome: proto::Wak
     )
 }
 
+/// The worker heart-beats the agent's active (claimed or running) wake.
+pub fn heartbeat(agent_id: &str, worker: &str) -> Envelope {
+    let mut heartbeat = envelope(
+        format!("heartbeat:{agent_id}:{worker}"),
+        Payload::WakeHeartbeat(proto::WakeHeartbeat {
+            agent_id: agent_id.to_owned(),
+            worker_id: worker.to_owned(),
+            item_id: String::new(),
+        }),
+    );
+    heartbeat.source = FROM_STATE.to_owned();
+    heartbeat
+}
+
+/// The recovery loop asks to re-queue the agent's active wake.
+pub fn recovery(agent_id: &str) -> Envelope {
+    let mut recovery = envelope(
+        format!("recovery:{agent_id}"),
+        Payload::WakeRecovery(proto::WakeRecoveryRequested { agent_id: agent_id.to_owned(), item_id: String::new() }),
+    );
+    recovery.source = FROM_STATE.to_owned();
+    recovery
+}
+
+/// A claim asking for a lease of `seconds`.
+pub fn claim_with_lease(agent_id: &str, worker: &str, seconds: u32) -> Envelope {
+    let mut claim = claim(agent_id, worker);
+    if let Some(Payload::WakeClaim(c)) = claim.payload.as_mut() {
+        c.claim_lease_seconds = seconds;
+    }
+    claim
+}
+
 /// The runtime restarts and drains the agent's active wake.
 pub fn restart_drain(agent_id: &str, worker: &str) -> Envelope {
     let mut drain = finish(agent_id, worker, proto::WakeOutcome::Aborted);
@@ -202,6 +236,10 @@ pub trait MessageExt {
     fn delivered_to(self, receiver: &str) -> Self;
     /// The source clock (and so the log time the test log stamps) `after` the log's start.
     fn occurred_after(self, after: Duration) -> Self;
+    /// A send request (or confirmation) of another kind of post than a message.
+    fn post_kind(self, kind: proto::SendKind) -> Self;
+    /// Any event, stamped `after` the log's start (the test log never goes backwards).
+    fn at(self, after: Duration) -> Self;
 }
 
 fn slack_message(envelope: &mut Envelope) -> &mut proto::SlackMessageObserved {
@@ -287,6 +325,21 @@ impl MessageExt for Envelope {
 
     fn occurred_after(mut self, after: Duration) -> Self {
         self.occurred_at_ms = LOG_START_MS + i64::try_from(after.as_millis()).expect("a test duration");
+        self
+    }
+
+    fn at(mut self, after: Duration) -> Self {
+        self.occurred_at_ms = LOG_START_MS + i64::try_from(after.as_millis()).expect("a test duration");
+        self
+    }
+
+    fn post_kind(mut self, kind: proto::SendKind) -> Self {
+        match self.payload.as_mut() {
+            Some(Payload::Send(s)) => s.kind = kind as i32,
+            Some(Payload::SendConfirmed(c)) => c.kind = kind as i32,
+            other => panic!("not a send: {other:?}"),
+        }
+        self.event_id = format!("{}:{}", self.event_id, kind.as_str_name());
         self
     }
 }

@@ -138,7 +138,7 @@ fn a_created_session_wakes_the_agent_with_the_session_as_reply_target() {
         &[ada()],
         created(SESSION_A, "Please look at the flaky login test."),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: false, wake: Some(Linear), removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: false, wake: Some(Linear), not_queued: None, removed: [] })
             queued: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 reply_to=linear:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01
         "#]],
     );
@@ -151,7 +151,7 @@ fn a_redelivered_receipt_wakes_once() {
         &[ada(), first.clone()],
         redelivered(first),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, not_queued: None, removed: [] })
             queued: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 reply_to=linear:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01
         "#]],
     );
@@ -170,7 +170,7 @@ fn a_redelivered_receipt_after_the_wake_finished_does_not_wake_again() {
         ],
         redelivered(first),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: Some("linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01"), duplicate_receipt: true, wake: None, not_queued: None, removed: [] })
             queued: none
         "#]],
     );
@@ -292,7 +292,7 @@ fn a_linear_wake_starts_with_the_empty_plan_and_finishes() {
         &[ada(), created(SESSION_A, "First prompt."), claim("ada", "w1")],
         start("ada", "w1"),
         expect![[r#"
-            Started { item_id: "linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", coalesced: [] }
+            Started { item_id: "linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", coalesced: [], moved: [] }
             queued: none
             active: linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 (running)
         "#]],
@@ -313,7 +313,7 @@ fn stop_removes_that_sessions_queued_input_and_leaves_another_session_and_a_runn
         ],
         stop(SESSION_A),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: None, duplicate_receipt: false, wake: None, removed: ["linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", "linear:inst1:prompted:act-2"] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", receipt: None, duplicate_receipt: false, wake: None, not_queued: None, removed: ["linear:inst1:created:0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01", "linear:inst1:prompted:act-2"] })
             queued: linear:inst1:prompted:act-3 reply_to=linear:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02
             active: linear:inst1:created:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02 (running)
         "#]],
@@ -322,7 +322,7 @@ fn stop_removes_that_sessions_queued_input_and_leaves_another_session_and_a_runn
         &[ada(), created(SESSION_B, "Other session."), claim("ada", "w1"), start("ada", "w1")],
         stop(SESSION_B),
         expect![[r#"
-            LinearSession(LinearSessionVerdict { agent: "ada", session: "7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02", receipt: None, duplicate_receipt: false, wake: None, removed: [] })
+            LinearSession(LinearSessionVerdict { agent: "ada", session: "7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02", receipt: None, duplicate_receipt: false, wake: None, not_queued: None, removed: [] })
             queued: none
             active: linear:inst1:created:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02 (running)
         "#]],
@@ -378,4 +378,49 @@ fn while_a_response_is_unknown_a_different_body_for_the_same_inputs_is_refused()
     let mut log = TestLog::with(&accepted);
     let seq = log.fold(respond("r4", "Also fixed logout.", &[CREATED_A]));
     assert!(matches!(log.verdict(seq), Verdict::LinearResponse(r) if !r.repeated && r.activity_id != activity));
+}
+
+#[test]
+fn a_response_to_a_session_the_agent_never_received_is_refused_naming_it() {
+    check(
+        &[ada(), created(SESSION_B, "Another session.")],
+        respond("r1", "I will post here anyway.", &[]),
+        expect![[r#"
+            refused FailedPrecondition: agent "ada" never received Linear session 0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01; it can answer only sessions it was given
+            queued: linear:inst1:created:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02 reply_to=linear:7c1e2d3f-4a5b-4c6d-8e7f-9a0b1c2d3e02
+        "#]],
+    );
+}
+
+#[test]
+fn a_response_to_a_session_another_agent_received_is_refused() {
+    let mut for_bert = created(SESSION_A, "For bert.");
+    if let Some(Payload::LinearSession(event)) = for_bert.payload.as_mut() {
+        event.receiving_agent_id = "bert".to_owned();
+    }
+    check(
+        &[ada(), agent("bert", "UBERT", "BBERT"), for_bert],
+        respond("r1", "Answering bert's session.", &[]),
+        expect![[r#"
+            refused FailedPrecondition: agent "ada" never received Linear session 0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01; it can answer only sessions it was given
+            queued: none
+        "#]],
+    );
+}
+
+#[test]
+fn a_response_after_a_stop_is_refused_until_a_new_prompt_arrives() {
+    let stopped = [ada(), created(SESSION_A, "First prompt."), stop(SESSION_A)];
+    check(
+        &stopped,
+        respond("r1", "Too late.", &[CREATED_A]),
+        expect![[r#"
+            refused FailedPrecondition: Linear session 0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01 was stopped (seq 3); it can be answered again after a new prompt
+            queued: none
+        "#]],
+    );
+    let prompted_again = [stopped.to_vec(), vec![prompted(SESSION_A, "act-2", "Please continue.")]].concat();
+    let mut log = TestLog::with(&prompted_again);
+    let seq = log.fold(respond("r2", "Continuing.", &["act-2"]));
+    assert!(matches!(log.verdict(seq), Verdict::LinearResponse(r) if !r.repeated), "{:?}", log.verdict(seq));
 }

@@ -61,7 +61,8 @@ impl TestLog {
         seq
     }
 
-    /// Fills in a start's item and plan, or a finish's item, from the agent's active wake.
+    /// Fills in a start's item and plan, or the item of a finish, a heartbeat or a recovery
+    /// request, from the agent's active wake.
     fn resolve(&self, mut event: Envelope) -> Envelope {
         if event.source != FROM_STATE {
             return event;
@@ -76,6 +77,16 @@ impl TestLog {
             Some(Payload::WakeFinish(finish)) => {
                 if let Some(active) = self.state.queue(&finish.agent_id).and_then(|q| q.active.as_ref()) {
                     finish.item_id = active.item.id.clone();
+                }
+            }
+            Some(Payload::WakeHeartbeat(heartbeat)) => {
+                if let Some(active) = self.state.queue(&heartbeat.agent_id).and_then(|q| q.active.as_ref()) {
+                    heartbeat.item_id = active.item.id.clone();
+                }
+            }
+            Some(Payload::WakeRecovery(recovery)) => {
+                if let Some(active) = self.state.queue(&recovery.agent_id).and_then(|q| q.active.as_ref()) {
+                    recovery.item_id = active.item.id.clone();
                 }
             }
             _ => {}

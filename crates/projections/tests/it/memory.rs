@@ -237,8 +237,8 @@ fn describe(verdict: &Verdict) -> String {
         Verdict::MemoryPassQueued { pass_id, .. } => format!("queued {pass_id}"),
         Verdict::Claim(ClaimVerdict::Claimed(claimed)) => format!("claimed {}", claimed.item.id),
         Verdict::Claim(ClaimVerdict::Nothing { .. }) => "nothing to claim".to_owned(),
-        Verdict::Started { item_id, coalesced } if coalesced.is_empty() => format!("started {item_id}"),
-        Verdict::Started { item_id, coalesced } => {
+        Verdict::Started { item_id, coalesced, .. } if coalesced.is_empty() => format!("started {item_id}"),
+        Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}", coalesced.join(", "))
         }
         Verdict::Finished { item_id, requeued, memory_outcome } => format!(
@@ -1231,4 +1231,56 @@ fn one_agents_status_agrees_with_the_plan_and_answers_by_the_folds_own_limit_rul
     assert_eq!(status(&fleet, "zed"), PassStatus::Open);
     assert_eq!(status(&fleet, "bo"), PassStatus::WaitingForLimit);
     assert!(fleet.log.state.memory_status("nobody", ns(instant(now))).is_none());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guards (DESIGN §4.12).
+
+#[test]
+fn a_running_memory_pass_is_sealed_no_send_and_no_linear_response() {
+    let mut fleet = zed_pass_running();
+    let cursors_before = fleet.log.cursors("zed");
+    let sealed_send = fleet.at("2026-06-01T07:10:00Z", send("zed", "CZED"));
+    let respond = fleet.then(event(
+        "respond-from-the-pass".to_owned(),
+        Payload::LinearResponse(proto::LinearResponseRequested {
+            agent_id: "zed".to_owned(),
+            session_id: "0b6f7a52-3c1d-4e8f-9a2b-5d6c7e8f9a01".to_owned(),
+            kind: proto::LinearResponseKind::Response as i32,
+            body: "posted from a pass".to_owned(),
+            input_ids: Vec::new(),
+        }),
+    ));
+    let out = format!("send: {}\nrespond: {}\n", fleet.describe(sealed_send), fleet.describe(respond));
+    expect![[r#"
+        send: refused FailedPrecondition: a memory pass does not post: zed's active wake is the memory pass memory-pass:zed:2026-06-01
+        respond: refused FailedPrecondition: a memory pass does not post: zed's active wake is the memory pass memory-pass:zed:2026-06-01
+    "#]]
+    .assert_eq(&out);
+    assert_eq!(fleet.log.cursors("zed"), cursors_before, "a sealed send moves no cursor");
+    // Once the pass finished, the agent posts again.
+    fleet.then(finish_pass("zed", "w1", WakeOutcome::Completed, &digest(1), &digest(2), ""));
+    let after = fleet.then(send("zed", "CZED"));
+    assert!(matches!(fleet.verdict(after), Verdict::Send(_)), "{}", fleet.describe(after));
+}
+
+#[test]
+fn a_second_pass_is_refused_while_the_agents_earlier_pass_is_still_open() {
+    // With maxConcurrent 2, yesterday's pass (queued, never claimed) must not let today's open
+    // beside it: one open pass per agent.
+    let mut fleet = Fleet::new("2026-06-01T03:00:00Z", &["zed"]);
+    fleet.then(configured(memory_config("UTC", "05:00", 2)));
+    fleet.post("zed");
+    let first = fleet.at("2026-06-01T07:00:00Z", pass_request("zed", "2026-06-01"));
+    fleet.post_at("2026-06-02T03:00:00Z", "zed");
+    let second = fleet.at("2026-06-02T07:00:00Z", pass_request("zed", "2026-06-02"));
+    let mut out = format!("day 1: {}\nday 2: {}\n", fleet.describe(first), fleet.describe(second));
+    out += &describe_plan(&fleet.plan("2026-06-02T07:00:00Z"));
+    expect![[r#"
+        day 1: queued memory-pass:zed:2026-06-01
+        day 2: refused Aborted: the pass of 2026-06-01 is queued (queued at seq 4)
+        open passes: 1
+        zed open [2026-06-02 05:00 UTC]: the pass of 2026-06-01 is queued (queued at seq 4)
+    "#]]
+    .assert_eq(&out);
 }

@@ -22,25 +22,109 @@ fn envelope_descriptor() -> MessageDescriptor {
         .expect("the schema has an envelope")
 }
 
-/// Fills every field of `message`: strings the schema marks non-content get plain ids, every
-/// other string (and every bytes field) gets a unique marker, remembered in `markers`.
-fn fill(message: &mut DynamicMessage, markers: &mut Vec<String>, depth: usize) {
+/// Every string field the schema lets analytics see, each reviewed: ids chosen by platforms or
+/// operators, timestamps, fixed vocabularies, configuration. Nothing here can carry words a
+/// person wrote (message text, titles, URLs, file or channel names); marking another field
+/// non-content means adding it here, with its reason, or the schema test below fails.
+const REVIEWED_NON_CONTENT: &[&str] = &[
+    // Envelope: the event id is derived or a UUID; the source is the appender's name.
+    "anima.v1.Envelope.event_id",
+    "anima.v1.Envelope.source",
+    // Agents and their platform identities (ids, never display names).
+    "anima.v1.AgentRegistered.agent_id",
+    "anima.v1.AgentRegistered.slack_bot_user_id",
+    "anima.v1.AgentRegistered.slack_bot_id",
+    "anima.v1.AgentRegistered.chat_user_id",
+    // Slack: ids (C..., U..., B..., T...), ts values and Slack's subtype vocabulary.
+    "anima.v1.SlackMessageObserved.receiving_agent_id",
+    "anima.v1.SlackMessageObserved.team_id",
+    "anima.v1.SlackMessageObserved.channel_id",
+    "anima.v1.SlackMessageObserved.ts",
+    "anima.v1.SlackMessageObserved.thread_ts",
+    "anima.v1.SlackMessageObserved.subtype",
+    "anima.v1.SlackMessageObserved.user_id",
+    "anima.v1.SlackMessageObserved.bot_id",
+    "anima.v1.SlackTarget.team_id",
+    "anima.v1.SlackTarget.channel_id",
+    "anima.v1.SlackTarget.thread_ts",
+    // Chat platform ids (opaque ids such as oc_..., ou_...; names travel in content fields).
+    "anima.v1.ChatMessageObserved.receiving_agent_id",
+    "anima.v1.ChatMessageObserved.tenant_id",
+    "anima.v1.ChatMessageObserved.chat_id",
+    "anima.v1.ChatMessageObserved.message_id",
+    "anima.v1.ChatMessageObserved.thread_id",
+    "anima.v1.ChatMessageObserved.sender_id",
+    "anima.v1.ChatMessageObserved.mentioned_user_ids",
+    "anima.v1.ChatTarget.tenant_id",
+    "anima.v1.ChatTarget.chat_id",
+    "anima.v1.ChatTarget.thread_id",
+    // Linear: UUIDs and the issue's identifier (team key and number, e.g. ENG-7). Not the URL:
+    // it ends in the title.
+    "anima.v1.LinearTarget.session_id",
+    "anima.v1.LinearSessionEvent.receiving_agent_id",
+    "anima.v1.LinearSessionEvent.installation_id",
+    "anima.v1.LinearSessionEvent.session_id",
+    "anima.v1.LinearSessionEvent.agent_activity_id",
+    "anima.v1.LinearSessionEvent.issue_identifier",
+    "anima.v1.LinearResponseRequested.agent_id",
+    "anima.v1.LinearResponseRequested.session_id",
+    "anima.v1.LinearResponseRequested.input_ids",
+    "anima.v1.LinearResponseOutcome.agent_id",
+    "anima.v1.LinearResponseOutcome.activity_id",
+    // Wakes: agent, worker and item ids (item ids are message identities: ids and ts).
+    "anima.v1.WakeClaimRequested.agent_id",
+    "anima.v1.WakeClaimRequested.worker_id",
+    "anima.v1.WakeClaimRequested.item_id",
+    "anima.v1.PlanSurface.surface",
+    "anima.v1.WakeStartRequested.agent_id",
+    "anima.v1.WakeStartRequested.worker_id",
+    "anima.v1.WakeStartRequested.item_id",
+    "anima.v1.WakeFinishRequested.agent_id",
+    "anima.v1.WakeFinishRequested.worker_id",
+    "anima.v1.WakeFinishRequested.item_id",
+    "anima.v1.WakeHeartbeat.agent_id",
+    "anima.v1.WakeHeartbeat.worker_id",
+    "anima.v1.WakeHeartbeat.item_id",
+    "anima.v1.WakeRecoveryRequested.agent_id",
+    "anima.v1.WakeRecoveryRequested.item_id",
+    // Sends and subscriptions: the agent and the post's ts or message id.
+    "anima.v1.SendRequested.agent_id",
+    "anima.v1.SendConfirmed.agent_id",
+    "anima.v1.SendConfirmed.ts",
+    "anima.v1.SubscriptionChangeRequested.agent_id",
+    // The memory pass: configuration and slot days.
+    "anima.v1.MemoryCoherenceConfigured.window_start",
+    "anima.v1.MemoryCoherenceConfigured.timezone",
+    "anima.v1.MemoryCoherenceConfigured.scope_agent_ids",
+    "anima.v1.MemoryPassRequested.agent_id",
+    "anima.v1.MemoryPassRequested.window_day",
+];
+
+/// Fills every field of `message`, URLs and ids included: every string and bytes field gets a
+/// unique marker. Markers of fields the schema marks non-content are `PLAIN####Z` (remembered
+/// in `plain` with their field's full name), all others `MARKER####Z` (in `markers`).
+fn fill(message: &mut DynamicMessage, markers: &mut Vec<String>, plain: &mut Vec<(String, String)>, depth: usize) {
     let redactor = Redactor::schema();
     let descriptor = message.descriptor();
     for field in descriptor.fields() {
         if field.containing_oneof().is_some() && depth == 0 {
             continue;
         }
-        let one = |markers: &mut Vec<String>| -> Option<Value> {
+        let one = |markers: &mut Vec<String>, plain: &mut Vec<(String, String)>| -> Option<Value> {
+            let serial = markers.len() + plain.len();
             Some(match field.kind() {
-                Kind::String if redactor.is_plain(&field) => Value::String(format!("id{}", markers.len())),
+                Kind::String if redactor.is_plain(&field) => {
+                    let marker = format!("PLAIN{serial:04}Z");
+                    plain.push((marker.clone(), field.full_name().to_owned()));
+                    Value::String(marker)
+                }
                 Kind::String => {
-                    let marker = format!("MARKER{:04}Z", markers.len());
+                    let marker = format!("MARKER{serial:04}Z");
                     markers.push(marker.clone());
                     Value::String(marker)
                 }
                 Kind::Bytes => {
-                    let marker = format!("MARKER{:04}Z", markers.len());
+                    let marker = format!("MARKER{serial:04}Z");
                     markers.push(marker.clone());
                     Value::Bytes(marker.into_bytes().into())
                 }
@@ -55,17 +139,17 @@ fn fill(message: &mut DynamicMessage, markers: &mut Vec<String>, depth: usize) {
                 Kind::Message(_) if field.is_map() => return None,
                 Kind::Message(inner) if depth < 4 => {
                     let mut nested = DynamicMessage::new(inner);
-                    fill(&mut nested, markers, depth + 1);
+                    fill(&mut nested, markers, plain, depth + 1);
                     Value::Message(nested)
                 }
                 Kind::Message(_) => return None,
             })
         };
         let value = if field.is_list() {
-            let items: Vec<Value> = (0..2).filter_map(|_| one(markers)).collect();
+            let items: Vec<Value> = (0..2).filter_map(|_| one(markers, plain)).collect();
             Value::List(items)
         } else {
-            match one(markers) {
+            match one(markers, plain) {
                 Some(value) => value,
                 None => continue,
             }
@@ -75,8 +159,11 @@ fn fill(message: &mut DynamicMessage, markers: &mut Vec<String>, depth: usize) {
     }
 }
 
-/// One envelope per payload kind of the schema, every field filled; with its markers.
-fn every_event_kind() -> Vec<(String, Vec<u8>, Vec<String>)> {
+/// One envelope per payload kind of the schema, every field filled: its type, its stored
+/// bytes, its content markers and its non-content markers with their fields.
+type FilledEvent = (String, Vec<u8>, Vec<String>, Vec<(String, String)>);
+
+fn every_event_kind() -> Vec<FilledEvent> {
     let descriptor = envelope_descriptor();
     let mut out = Vec::new();
     for field in descriptor.fields() {
@@ -85,13 +172,13 @@ fn every_event_kind() -> Vec<(String, Vec<u8>, Vec<String>)> {
         if !in_payload {
             continue;
         }
-        let mut markers = Vec::new();
+        let (mut markers, mut plain) = (Vec::new(), Vec::new());
         let mut envelope = DynamicMessage::new(descriptor.clone());
-        fill(&mut envelope, &mut markers, 0);
+        fill(&mut envelope, &mut markers, &mut plain, 0);
         let mut payload = DynamicMessage::new(payload_type);
-        fill(&mut payload, &mut markers, 1);
+        fill(&mut payload, &mut markers, &mut plain, 1);
         envelope.set_field(&field, Value::Message(payload));
-        out.push((field.name().to_owned(), envelope.encode_to_vec(), markers));
+        out.push((field.name().to_owned(), envelope.encode_to_vec(), markers, plain));
     }
     out
 }
@@ -104,6 +191,25 @@ fn assert_no_marker(output: &[u8], markers: &[String], what: &str) {
     assert!(!text.contains("MARKER"), "a marker leaked into {what}");
 }
 
+/// Every `PLAIN####Z` in `output` is the marker of a field in [`REVIEWED_NON_CONTENT`]: no byte
+/// of any other field reaches analytics.
+fn assert_only_reviewed_fields(output: &[u8], plain: &[(String, String)], what: &str) {
+    let text = String::from_utf8_lossy(output);
+    let mut rest = text.as_ref();
+    while let Some(at) = rest.find("PLAIN") {
+        let marker: String = rest[at..].chars().take("PLAIN0000Z".len()).collect();
+        let field = plain.iter().find(|(m, _)| *m == marker).map(|(_, field)| field.as_str());
+        match field {
+            Some(field) => assert!(
+                REVIEWED_NON_CONTENT.contains(&field),
+                "{field} reached {what} but is not reviewed as non-content"
+            ),
+            None => panic!("{marker:?} in {what} belongs to no field of this event"),
+        }
+        rest = &rest[at + "PLAIN".len()..];
+    }
+}
+
 #[test]
 fn no_content_of_any_event_kind_reaches_the_redacted_view() {
     let kinds = every_event_kind();
@@ -111,7 +217,8 @@ fn no_content_of_any_event_kind_reaches_the_redacted_view() {
     let mut state = anima_projections::State::new();
     let mut counts = AnalyticsCounts::new(TimeBucket::Minute);
     let mut all_markers = Vec::new();
-    for (index, (kind, stored, markers)) in kinds.iter().enumerate() {
+    let mut all_plain = Vec::new();
+    for (index, (kind, stored, markers, plain)) in kinds.iter().enumerate() {
         let seq = index as u64 + 1;
         let at = anima_projections::LogPosition { seq, at_ns: 1_700_000_000_000_000_000 + seq as i64 };
         state.apply_bytes(at, stored);
@@ -122,9 +229,18 @@ fn no_content_of_any_event_kind_reaches_the_redacted_view() {
         assert_eq!(redacted.content_bytes, expected_content, "{kind}: every content byte is counted");
         assert_no_marker(format!("{redacted:?}").as_bytes(), markers, &format!("the debug view of {kind}"));
         assert_no_marker(&postcard::to_allocvec(&redacted).unwrap(), markers, &format!("the encoding of {kind}"));
+        assert_only_reviewed_fields(format!("{redacted:?}").as_bytes(), plain, &format!("the debug view of {kind}"));
+        assert_only_reviewed_fields(
+            &postcard::to_allocvec(&redacted).unwrap(),
+            plain,
+            &format!("the encoding of {kind}"),
+        );
         counts.observe(&redacted);
         all_markers.extend(markers.iter().cloned());
+        all_plain.extend(plain.iter().cloned());
     }
+    assert_only_reviewed_fields(format!("{counts:?}").as_bytes(), &all_plain, "the counts");
+    assert_only_reviewed_fields(&postcard::to_allocvec(&counts).unwrap(), &all_plain, "the encoded counts");
     assert!(all_markers.len() >= 5, "the schema has content fields to test with");
     assert_no_marker(format!("{counts:?}").as_bytes(), &all_markers, "the counts");
     assert_no_marker(&postcard::to_allocvec(&counts).unwrap(), &all_markers, "the encoded counts");
@@ -209,7 +325,7 @@ fn ids_are_kept_and_content_becomes_sizes() {
               files[0].name = ContentBytes(9)
               files[0].size_bytes = Uint(300)
               user_name = ContentBytes(5)
-              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1, note_shown: false, memory_outcome: None, memory_delay_seconds: None }
+              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None }
         "#]],
     );
 }
@@ -225,7 +341,7 @@ fn a_send_request_is_redacted_with_its_target_ids() {
               target.slack.channel_id = Id("D1")
               kind = Enum("SEND_KIND_MESSAGE")
               draft_bytes = Uint(5)
-              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0, note_shown: false, memory_outcome: None, memory_delay_seconds: None }
+              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None }
         "#]],
     );
 }
@@ -335,4 +451,25 @@ fn counts_by_type_and_bucket_with_the_derived_figures() {
         dm replies: 1 threaded, 1 top level
     "#]]
     .assert_eq(&out);
+}
+
+/// The schema's non-content strings are exactly the reviewed list: a field newly marked
+/// `(anima.v1.content) = false` must be reviewed here, and a reviewed one that became content
+/// (like Linear's `issue_url`) leaves the list.
+#[test]
+fn the_non_content_strings_of_the_schema_are_exactly_the_reviewed_ones() {
+    let pool = DescriptorPool::decode(EVENTS_DESCRIPTOR_SET).expect("the descriptor set decodes");
+    let redactor = Redactor::schema();
+    let marked: std::collections::BTreeSet<String> = pool
+        .all_messages()
+        .flat_map(|message| message.fields().collect::<Vec<_>>())
+        .filter(|field| redactor.is_plain(field))
+        .map(|field| field.full_name().to_owned())
+        .collect();
+    let reviewed: std::collections::BTreeSet<String> = REVIEWED_NON_CONTENT.iter().map(|f| (*f).to_owned()).collect();
+    let unreviewed: Vec<&String> = marked.difference(&reviewed).collect();
+    let stale: Vec<&String> = reviewed.difference(&marked).collect();
+    assert!(unreviewed.is_empty(), "marked non-content without review: {unreviewed:?}");
+    assert!(stale.is_empty(), "reviewed but no longer a non-content string of the schema: {stale:?}");
+    assert!(!marked.contains("anima.v1.LinearSessionEvent.issue_url"), "Linear URLs end in the issue title");
 }

@@ -10,7 +10,7 @@ use std::fmt::Write;
 
 use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
-use anima_projections::verdict::{SendVerdict, Verdict};
+use anima_projections::verdict::{PostKind, SendVerdict, Verdict};
 use anima_projections::LogPosition;
 use expect_test::{expect, Expect};
 
@@ -53,7 +53,7 @@ fn describe(log: &TestLog, seq: u64) -> String {
             assert!(held.shown.len() <= ROWS_SHOWN_MAX);
             let bodies = log.with_bodies(&held.shown);
             let rows: Vec<_> = bodies.iter().map(|(meta, body)| (*meta, body)).collect();
-            let notice = render::render_held_notice(agent, held.new_messages, held.omitted, &rows);
+            let notice = render::render_held_notice(agent, held.kind, held.new_messages, held.omitted, &rows);
             assert!(notice.len() <= TEXT_BYTES_MAX, "notice of {} bytes is over the budget", notice.len());
             let lower = notice.to_lowercase();
             for word in WORDS_NEVER_IN_A_NOTICE {
@@ -190,9 +190,9 @@ fn a_foreign_row_holds_and_shows_it() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
-            notice: 329 bytes
+            notice: 323 bytes
             === not posted yet ===
-            1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:15:20 UTC] Uma <U1>
             > wait, one more thing
             === what to do ===
@@ -211,9 +211,9 @@ fn another_agents_rows_are_foreign() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 2, shown 2, omitted 0, cursor 1 -> 3
-            notice: 388 bytes
+            notice: 382 bytes
             === not posted yet ===
-            2 new messages arrived in this conversation since you last looked, so your message was not posted yet.
+            2 new messages arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:15:20 UTC] bert <UBERT>
             > bert, as a user
             [#3 2023-11-14 22:16:20 UTC] bert <BBERT>
@@ -225,7 +225,7 @@ fn another_agents_rows_are_foreign() {
 }
 
 #[test]
-fn a_hold_passes_the_tail_including_own_rows_after_the_foreign_one() {
+fn foreign_then_own_counts_and_shows_only_the_foreign_row_and_passes_the_own_tail() {
     check(
         &given(vec![
             dm_from_human("anna", "D1", &ts(2), "are you there?"),
@@ -233,17 +233,110 @@ fn a_hold_passes_the_tail_including_own_rows_after_the_foreign_one() {
         ]),
         send("anna", "D1"),
         expect![[r#"
-            held on slack:T1:D1: new 2, shown 2, omitted 0, cursor 1 -> 3
-            notice: 404 bytes
+            held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 3
+            notice: 317 bytes
             === not posted yet ===
-            2 new messages arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:15:20 UTC] Uma <U1>
             > are you there?
-            [#3 2023-11-14 22:16:20 UTC] you
-            > yes, one moment
-            > [file: plan.txt, 42 bytes]
             === what to do ===
             Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.
+        "#]],
+    );
+}
+
+#[test]
+fn own_then_foreign_counts_and_shows_only_the_foreign_row() {
+    check(
+        &given(vec![
+            confirmed("anna", "D1", &ts(2), "here is my first answer"),
+            dm_from_human("anna", "D1", &ts(3), "thanks, and one more question"),
+        ]),
+        send("anna", "D1"),
+        expect![[r#"
+            held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 3
+            notice: 332 bytes
+            === not posted yet ===
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
+            [#3 2023-11-14 22:16:20 UTC] Uma <U1>
+            > thanks, and one more question
+            === what to do ===
+            Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.
+        "#]],
+    );
+}
+
+#[test]
+fn own_only_allows_and_passes_the_own_rows_silently() {
+    check(
+        &given(vec![
+            confirmed("anna", "D1", &ts(2), "part one"),
+            message("anna", "D1", &ts(3)).by_bot("BANNA", "anna").text("part two"),
+        ]),
+        send("anna", "D1"),
+        expect![[r#"
+            allowed on slack:T1:D1: cursor 1 -> 3
+        "#]],
+    );
+}
+
+#[test]
+fn own_rows_between_foreign_ones_are_not_counted_or_shown() {
+    check(
+        &given(vec![
+            dm_from_human("anna", "D1", &ts(2), "first"),
+            confirmed("anna", "D1", &ts(3), "my reply"),
+            dm_from_human("anna", "D1", &ts(4), "second"),
+            confirmed("anna", "D1", &ts(5), "my other reply"),
+        ]),
+        send("anna", "D1"),
+        expect![[r#"
+            held on slack:T1:D1: new 2, shown 2, omitted 0, cursor 1 -> 5
+            notice: 356 bytes
+            === not posted yet ===
+            2 new messages arrived in this conversation since you last looked, so your message was not sent.
+            [#2 2023-11-14 22:15:20 UTC] Uma <U1>
+            > first
+            [#4 2023-11-14 22:17:20 UTC] Uma <U1>
+            > second
+            === what to do ===
+            Read what arrived. If your message still fits, send it again unchanged and it will be posted; otherwise send a revised one.
+        "#]],
+    );
+}
+
+#[test]
+fn a_held_file_says_the_file_was_not_sent() {
+    check(
+        &given(vec![dm_from_human("anna", "D1", &ts(2), "wait")]),
+        send("anna", "D1").post_kind(proto::SendKind::File),
+        expect![[r#"
+            held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
+            notice: 301 bytes
+            === not posted yet ===
+            1 new message arrived in this conversation since you last looked, so your file was not sent.
+            [#2 2023-11-14 22:15:20 UTC] Uma <U1>
+            > wait
+            === what to do ===
+            Read what arrived. If your file still fits, send it again unchanged and it will be posted; otherwise send a revised one.
+        "#]],
+    );
+}
+
+#[test]
+fn a_held_question_says_the_question_was_not_sent() {
+    check(
+        &given(vec![dm_from_human("anna", "D1", &ts(2), "wait")]),
+        send("anna", "D1").post_kind(proto::SendKind::Ask),
+        expect![[r#"
+            held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
+            notice: 309 bytes
+            === not posted yet ===
+            1 new message arrived in this conversation since you last looked, so your question was not sent.
+            [#2 2023-11-14 22:15:20 UTC] Uma <U1>
+            > wait
+            === what to do ===
+            Read what arrived. If your question still fits, send it again unchanged and it will be posted; otherwise send a revised one.
         "#]],
     );
 }
@@ -270,9 +363,9 @@ fn a_resend_after_something_new_is_held_again() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 2 -> 3
-            notice: 319 bytes
+            notice: 313 bytes
             === not posted yet ===
-            1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#3 2023-11-14 22:16:20 UTC] Uma <U1>
             > never mind
             === what to do ===
@@ -289,9 +382,9 @@ fn twenty_five_foreign_rows_show_the_newest_twenty() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 25, shown 20, omitted 5, cursor 1 -> 26
-            notice: 1309 bytes
+            notice: 1303 bytes
             === not posted yet ===
-            25 new messages arrived in this conversation since you last looked, so your message was not posted yet.
+            25 new messages arrived in this conversation since you last looked, so your message was not sent.
             The 5 older ones are not shown; the newest follow, oldest first.
             [#7 2023-11-14 22:20:20 UTC] Uma <U1>
             > line 7
@@ -348,9 +441,9 @@ fn large_rows_are_limited_by_the_byte_budget() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 5, shown 3, omitted 2, cursor 1 -> 6
-            notice: 15457 bytes
+            notice: 15451 bytes
             === not posted yet ===
-            5 new messages arrived in this conversation since you last looked, so your message was not posted yet.
+            5 new messages arrived in this conversation since you last looked, so your message was not sent.
             The 2 older ones are not shown; the newest follow, oldest first.
             [#4 2023-11-14 22:17:20 UTC] Uma <U1>
             > 4444444444444444444444444444444444444444444444444444444444... [4942 more bytes]
@@ -379,9 +472,9 @@ fn clipped_rows_with_many_files_stay_within_the_budget() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 4, shown 1, omitted 3, cursor 1 -> 5
-            notice: 8691 bytes
+            notice: 8685 bytes
             === not posted yet ===
-            4 new messages arrived in this conversation since you last looked, so your message was not posted yet.
+            4 new messages arrived in this conversation since you last looked, so your message was not sent.
             The 3 older ones are not shown; the newest follow, oldest first.
             [#5 2023-11-14 22:18:20 UTC] Uma <U1>
             > ééééééééééééééééééééééééééééé... [5940 more bytes]
@@ -425,9 +518,9 @@ fn log_order_decides_not_ts() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
-            notice: 337 bytes
+            notice: 331 bytes
             === not posted yet ===
-            1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:13:20 UTC] Uma <U1>
             > sent earlier, delivered late
             === what to do ===
@@ -484,9 +577,9 @@ fn a_thread_cursor_holds_for_the_thread_only() {
         send("anna", "D1").in_thread(&ts(1)),
         expect![[r#"
             held on slack:T1:D1:thread:1700000060.000100: new 1, shown 1, omitted 0, cursor 1 -> 2
-            notice: 321 bytes
+            notice: 315 bytes
             === not posted yet ===
-            1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:16:20 UTC] Uma <U1>
             > second reply
             === what to do ===
@@ -504,9 +597,9 @@ fn a_message_just_before_the_send_in_the_log_is_seen() {
         send("anna", "D1"),
         expect![[r#"
             held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
-            notice: 314 bytes
+            notice: 308 bytes
             === not posted yet ===
-            1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+            1 new message arrived in this conversation since you last looked, so your message was not sent.
             [#2 2023-11-14 22:15:20 UTC] Uma <U1>
             > stop!
             === what to do ===
@@ -528,9 +621,9 @@ fn the_notice_shows_nothing_from_other_surfaces() {
     assert!(!described.contains("MARKER"), "{described}");
     expect![[r#"
         held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
-        notice: 330 bytes
+        notice: 324 bytes
         === not posted yet ===
-        1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+        1 new message arrived in this conversation since you last looked, so your message was not sent.
         [#2 2023-11-14 22:19:20 UTC] Uma <U1>
         > the only new row here
         === what to do ===
@@ -555,9 +648,9 @@ fn a_forged_plan_cannot_push_a_cursor_beyond_the_tail() {
     let seq = log.fold(send("anna", "D1"));
     expect![[r#"
         held on slack:T1:D1: new 1, shown 1, omitted 0, cursor 1 -> 2
-        notice: 313 bytes
+        notice: 307 bytes
         === not posted yet ===
-        1 new message arrived in this conversation since you last looked, so your message was not posted yet.
+        1 new message arrived in this conversation since you last looked, so your message was not sent.
         [#2 2023-11-14 22:15:20 UTC] Uma <U1>
         > next
         === what to do ===
@@ -630,13 +723,17 @@ fn a_send_of_an_unknown_agent_or_without_target_is_refused() {
 
 #[test]
 fn the_notice_frame_never_says_blocked_rejected_or_failed() {
-    for new_messages in [1, 2, 25, u64::MAX] {
-        for omitted in [0, 1, 5] {
-            let notice = render::render_held_notice("anna", new_messages, omitted, &[]).to_lowercase();
-            for word in WORDS_NEVER_IN_A_NOTICE {
-                assert!(!notice.contains(word), "{notice}");
+    for kind in PostKind::ALL {
+        for new_messages in [1, 2, 25, u64::MAX] {
+            for omitted in [0, 1, 5] {
+                let notice = render::render_held_notice("anna", kind, new_messages, omitted, &[]).to_lowercase();
+                for word in WORDS_NEVER_IN_A_NOTICE {
+                    assert!(!notice.contains(word), "{notice}");
+                }
+                assert!(notice.contains("send it again unchanged and it will be posted"));
+                assert!(notice.contains(&format!("your {} was not sent", kind.noun())), "{notice}");
+                assert!(notice.len() <= render::held_frame_bytes_max(), "the frame bound is an upper bound");
             }
-            assert!(notice.contains("send it again unchanged and it will be posted"));
         }
     }
 }

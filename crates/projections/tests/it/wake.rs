@@ -34,6 +34,8 @@ fn agent_of(event: &Envelope) -> String {
         Some(Payload::WakeStart(s)) => s.agent_id.clone(),
         Some(Payload::WakeFinish(f)) => f.agent_id.clone(),
         Some(Payload::Send(s)) => s.agent_id.clone(),
+        Some(Payload::WakeHeartbeat(h)) => h.agent_id.clone(),
+        Some(Payload::WakeRecovery(r)) => r.agent_id.clone(),
         other => panic!("no agent in {other:?}"),
     }
 }
@@ -50,8 +52,8 @@ fn describe_verdict(log: &TestLog, agent: &str, seq: u64) -> String {
             format!("nothing to claim; settled without a turn: {}\n", list(settled_without_turn))
         }
         Verdict::Claim(ClaimVerdict::Claimed(claimed)) => describe_claim(log, agent, claimed),
-        Verdict::Started { item_id, coalesced } if coalesced.is_empty() => format!("started {item_id}\n"),
-        Verdict::Started { item_id, coalesced } => {
+        Verdict::Started { item_id, coalesced, .. } if coalesced.is_empty() => format!("started {item_id}\n"),
+        Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}\n", list(coalesced))
         }
         Verdict::Finished { item_id, requeued, memory_outcome } => {
@@ -415,7 +417,7 @@ fn a_second_claim_while_one_is_claimed_is_refused() {
         ],
         claim("anna", "w2"),
         expect![[r#"
-            refused Aborted: the agent already has a claimed wake; this claim lost
+            refused Aborted: the agent already has a claimed (by w1; its lease ends 299 s from now unless it starts or heart-beats) wake; this claim lost
             --- after ---
             queued: slack:T1:D1:1700000120.000100 dm
             active: slack:T1:D1:1700000060.000100 claimed by w1
@@ -798,4 +800,206 @@ fn large_context_rows_are_limited_by_the_byte_budget() {
     assert!(text.len() <= TEXT_BYTES_MAX);
     assert_eq!((claimed.rows.len(), claimed.not_shown), (2, 3));
     assert_eq!(describe_plan(&claimed.plan), "slack:T1:D1 absent -> @6");
+}
+
+/// Anna was DM'd at 0:00 and worker w1 claimed the wake at 0:01 (the default lease: 300 s).
+fn anna_claimed_at_one_minute() -> Vec<Envelope> {
+    vec![
+        anna(),
+        dm_from_human("anna", "D1", &ts(1), "please look at this").at(Duration::ZERO),
+        claim("anna", "w1").at(Duration::from_secs(60)),
+    ]
+}
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+#[test]
+fn a_start_within_the_claim_lease_is_accepted() {
+    check(
+        &anna_claimed_at_one_minute(),
+        start("anna", "w1").at(MINUTE * 5),
+        expect![[r#"
+            started slack:T1:D1:1700000060.000100
+            --- after ---
+            queued: -
+            active: slack:T1:D1:1700000060.000100 running by w1
+            cursors: slack:T1:D1@1
+        "#]],
+    );
+}
+
+#[test]
+fn a_start_after_the_claim_lease_ran_out_is_refused_and_the_wake_is_queued_again() {
+    check(
+        &anna_claimed_at_one_minute(),
+        start("anna", "w1").at(MINUTE * 6),
+        expect![[r#"
+            refused Aborted: the claim's lease of 300 s ran out before this start (claimed at seq 3); the wake is queued again: claim again
+            --- after ---
+            queued: slack:T1:D1:1700000060.000100 dm
+            active: none
+            cursors: none
+        "#]],
+    );
+}
+
+#[test]
+fn a_heartbeat_extends_the_claim_lease() {
+    let given = [anna_claimed_at_one_minute(), vec![heartbeat("anna", "w1").at(MINUTE * 5)]].concat();
+    check(
+        &given,
+        start("anna", "w1").at(MINUTE * 9),
+        expect![[r#"
+            started slack:T1:D1:1700000060.000100
+            --- after ---
+            queued: -
+            active: slack:T1:D1:1700000060.000100 running by w1
+            cursors: slack:T1:D1@1
+        "#]],
+    );
+}
+
+#[test]
+fn a_heartbeat_after_the_claim_lease_ran_out_is_refused() {
+    check(
+        &anna_claimed_at_one_minute(),
+        heartbeat("anna", "w1").at(MINUTE * 7),
+        expect![[r#"
+            refused Aborted: the claim's lease of 300 s ran out before this heartbeat (claimed at seq 3); the wake is queued again: claim again
+            --- after ---
+            queued: slack:T1:D1:1700000060.000100 dm
+            active: none
+            cursors: none
+        "#]],
+    );
+}
+
+#[test]
+fn the_claim_request_carries_its_lease() {
+    let given = [
+        anna(),
+        dm_from_human("anna", "D1", &ts(1), "please look at this").at(Duration::ZERO),
+        claim_with_lease("anna", "w1", 30).at(MINUTE),
+    ];
+    check(
+        &given,
+        start("anna", "w1").at(MINUTE + Duration::from_secs(31)),
+        expect![[r#"
+            refused Aborted: the claim's lease of 30 s ran out before this start (claimed at seq 3); the wake is queued again: claim again
+            --- after ---
+            queued: slack:T1:D1:1700000060.000100 dm
+            active: none
+            cursors: none
+        "#]],
+    );
+}
+
+#[test]
+fn recovery_within_the_claim_lease_is_refused() {
+    check(
+        &anna_claimed_at_one_minute(),
+        recovery("anna").at(MINUTE * 4),
+        expect![[r#"
+            refused Aborted: the claim's lease has not run out; not recovered
+            --- after ---
+            queued: -
+            active: slack:T1:D1:1700000060.000100 claimed by w1
+            cursors: none
+        "#]],
+    );
+}
+
+#[test]
+fn a_stale_claim_is_re_queued_by_recovery_and_another_worker_claims_it() {
+    let given = [anna_claimed_at_one_minute(), vec![recovery("anna").at(MINUTE * 6)]].concat();
+    let log = TestLog::with(&given);
+    expect![[r#"
+        queued: slack:T1:D1:1700000060.000100 dm
+        active: none
+        cursors: none
+    "#]]
+    .assert_eq(&describe_agent(&log, "anna"));
+    assert!(
+        matches!(log.verdict(given.len() as u64), Verdict::Recovered { started: false, .. }),
+        "a claim is recovered as never started"
+    );
+    let claimed = [given, vec![claim("anna", "w2").at(MINUTE * 7)]].concat();
+    check(
+        &claimed,
+        start("anna", "w2").at(MINUTE * 8),
+        expect![[r#"
+            started slack:T1:D1:1700000060.000100
+            --- after ---
+            queued: -
+            active: slack:T1:D1:1700000060.000100 running by w2
+            cursors: slack:T1:D1@1
+        "#]],
+    );
+}
+
+#[test]
+fn a_running_wake_silent_for_thirty_minutes_is_re_queued_to_resume() {
+    let given = [anna_claimed_at_one_minute(), vec![start("anna", "w1").at(MINUTE * 2)]].concat();
+    check(
+        &given,
+        recovery("anna").at(MINUTE * 32),
+        expect![[r#"
+            Recovered { item_id: "slack:T1:D1:1700000060.000100", started: true }
+            --- after ---
+            queued: slack:T1:D1:1700000060.000100 dm resume
+            active: none
+            cursors: slack:T1:D1@1
+        "#]],
+    );
+}
+
+#[test]
+fn a_heartbeat_in_time_keeps_a_running_wake() {
+    let given = [
+        anna_claimed_at_one_minute(),
+        vec![start("anna", "w1").at(MINUTE * 2), heartbeat("anna", "w1").at(MINUTE * 20)],
+    ]
+    .concat();
+    check(
+        &given,
+        recovery("anna").at(MINUTE * 32),
+        expect![[r#"
+            refused Aborted: the wake's heartbeat is recent; not recovered
+            --- after ---
+            queued: -
+            active: slack:T1:D1:1700000060.000100 running by w1
+            cursors: slack:T1:D1@1
+        "#]],
+    );
+}
+
+#[test]
+fn a_wake_that_meets_a_full_queue_is_recorded_as_not_queued_and_counted() {
+    use anima_projections::redact::{Figures, RedactedOutcome, Redactor};
+    use anima_projections::wake::{NotQueued, QUEUED_ITEMS_MAX};
+    use prost::Message;
+
+    let mut log = TestLog::with(&[anna()]);
+    for minute in 1..=QUEUED_ITEMS_MAX as u64 {
+        log.fold(dm_from_human("anna", "D1", &ts(minute), "ping"));
+    }
+    let one_too_many = log.fold(dm_from_human("anna", "D1", &ts(QUEUED_ITEMS_MAX as u64 + 1), "one too many"));
+    let Verdict::Journaled(journaled) = log.verdict(one_too_many) else { panic!("not journaled") };
+    assert_eq!(
+        (journaled.ordinal, journaled.wake, journaled.not_queued),
+        (QUEUED_ITEMS_MAX as u64 + 1, None, Some(NotQueued::QueueFull)),
+        "journaled, but the agent was not woken, and the verdict says why"
+    );
+    assert_eq!(log.state.queue("anna").map(|q| q.queued().len()), Some(QUEUED_ITEMS_MAX));
+    let index = one_too_many as usize - 1;
+    let mut redacted = Redactor::schema().redact(
+        one_too_many,
+        log.positions[index].at_ns,
+        "anima.v1.test",
+        &log.events[index].encode_to_vec(),
+    );
+    redacted.outcome = Some(RedactedOutcome::of(log.verdict(one_too_many)));
+    let mut figures = Figures::default();
+    figures.observe(&redacted);
+    assert_eq!(figures.wakes_not_queued_queue_full, 1, "analytics counts it");
 }

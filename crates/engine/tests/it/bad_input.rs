@@ -1,0 +1,137 @@
+//! Bad input answered well at the engine's edge: a refusal names the field, repeats at most a
+//! clipped part of the value (so it never outgrows gRPC's metadata limit and arrives as the
+//! refusal it is), and appends nothing.
+
+use std::sync::Arc;
+
+use anima_engine::checkpoint::CheckpointStore;
+use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
+use anima_engine::log::EventLog;
+use anima_engine::validate::{ECHO_BYTES_MAX, MEMORY_DIGEST_BYTES};
+use anima_engine::{CommandError, Engine, EngineConfig, Runner, RunnerConfig};
+use anima_projections::proto;
+use tokio_util::sync::CancellationToken;
+
+/// Longest refusal message expected: the field, the reason and a clipped echo.
+const REFUSAL_BYTES_MAX: usize = 4 * ECHO_BYTES_MAX + 200;
+/// Far over every bound: 1 MB.
+const HUGE_BYTES: usize = 1_000_000;
+
+struct Fixture {
+    engine: Engine,
+    shutdown: CancellationToken,
+    _dirs: [tempfile::TempDir; 2],
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// One engine on an embedded log, with `ada` registered.
+async fn fixture() -> Fixture {
+    let log_dir = tempfile::tempdir().expect("tempdir");
+    let db = sled::Config::new().path(log_dir.path()).open().expect("sled");
+    let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).expect("log"));
+    let checkpoint_dir = tempfile::tempdir().expect("tempdir");
+    let db = sled::Config::new().path(checkpoint_dir.path()).open().expect("sled");
+    let checkpoints = CheckpointStore::open(db, "checkpoint").expect("checkpoints");
+    let shutdown = CancellationToken::new();
+    let runner =
+        Runner::start(log.clone(), checkpoints, RunnerConfig::default(), shutdown.clone()).await.expect("runner");
+    let engine = Engine::new(log, runner.projection, EngineConfig::default());
+    let ada = proto::AgentRegistered { agent_id: "ada".into(), slack_bot_user_id: "UADA".into(), ..Default::default() };
+    engine.sync_agents(&[ada]).await.expect("register ada");
+    Fixture { engine, shutdown, _dirs: [log_dir, checkpoint_dir] }
+}
+
+/// The refusal is INVALID_ARGUMENT for `field`, short, and the log did not grow.
+#[track_caller]
+fn assert_refused(error: CommandError, field: &str, last_before: u64, last_after: u64) {
+    let message = error.to_string();
+    match &error {
+        CommandError::InvalidArgument { field: named, .. } => assert_eq!(*named, field, "{message}"),
+        other => panic!("expected INVALID_ARGUMENT for {field}, got {other:?}"),
+    }
+    assert!(message.len() <= REFUSAL_BYTES_MAX, "the refusal echoes {} bytes: {:.200}", message.len(), message);
+    assert_eq!(last_after, last_before, "a refused request appends nothing");
+}
+
+fn finish(digest_before: Vec<u8>, digest_after: Vec<u8>) -> proto::WakeFinishRequested {
+    proto::WakeFinishRequested {
+        agent_id: "ada".into(),
+        worker_id: "w1".into(),
+        item_id: "memory-pass:ada:2026-12-01".into(),
+        outcome: proto::WakeOutcome::Completed as i32,
+        memory_digest_before: digest_before,
+        memory_digest_after: digest_after,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_digest_that_is_not_32_bytes_is_refused_before_the_log() {
+    let fixture = fixture().await;
+    let log = fixture.engine.log();
+    let digest = vec![7u8; MEMORY_DIGEST_BYTES];
+    for (before, after, field) in [
+        (vec![0u8; 900 * 1024], digest.clone(), "memory_digest_before"),
+        (digest.clone(), vec![1u8; MEMORY_DIGEST_BYTES + 1], "memory_digest_after"),
+        (vec![1u8; MEMORY_DIGEST_BYTES - 1], digest.clone(), "memory_digest_before"),
+    ] {
+        let last_before = log.last_seq().await.expect("last seq");
+        let error = fixture.engine.finish(finish(before, after), "").await.expect_err("a bad digest is refused");
+        assert_refused(error, field, last_before, log.last_seq().await.expect("last seq"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
+    let fixture = fixture().await;
+    let log = fixture.engine.log();
+    let huge = "9".repeat(HUGE_BYTES);
+    let slack = |thread_ts: &str| proto::ReplyTarget {
+        target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
+            team_id: "T1".into(),
+            channel_id: "C1".into(),
+            thread_ts: thread_ts.into(),
+        })),
+    };
+
+    let last_before = log.last_seq().await.expect("last seq");
+    let confirm = proto::SendConfirmed {
+        agent_id: "ada".into(),
+        target: Some(slack("")),
+        kind: proto::SendKind::Message as i32,
+        ts: huge.clone(),
+        ..Default::default()
+    };
+    let error = fixture.engine.confirm(confirm).await.expect_err("a 1 MB ts is refused");
+    assert_refused(error, "ts", last_before, log.last_seq().await.expect("last seq"));
+
+    let confirm = proto::SendConfirmed {
+        agent_id: "ada".into(),
+        target: Some(slack(&huge)),
+        kind: proto::SendKind::Message as i32,
+        ts: "1700000000.000100".into(),
+        ..Default::default()
+    };
+    let error = fixture.engine.confirm(confirm).await.expect_err("a 1 MB thread_ts is refused");
+    assert_refused(error, "target.thread_ts", last_before, log.last_seq().await.expect("last seq"));
+
+    // Unknown agents are named back, clipped (ids up to 128 bytes are well-formed).
+    let unknown = "z".repeat(128);
+    let confirm = proto::SendConfirmed {
+        agent_id: unknown.clone(),
+        target: Some(slack("")),
+        kind: proto::SendKind::Message as i32,
+        ts: "1700000000.000100".into(),
+        ..Default::default()
+    };
+    let error = fixture.engine.confirm(confirm).await.expect_err("an unknown agent is refused");
+    let message = error.to_string();
+    assert!(message.contains(&format!("\"{}\"…", &unknown[..ECHO_BYTES_MAX])), "{message}");
+    assert!(!message.contains(&unknown), "{message}");
+    assert_refused(error, "agent_id", last_before, log.last_seq().await.expect("last seq"));
+}

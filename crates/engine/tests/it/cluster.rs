@@ -1,0 +1,290 @@
+//! JetStream in production shape: a server list instead of one URL, and (with the 3-node
+//! fixture of `anima_engine::testing`) failover of the stream leader under load.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anima_engine::log::jetstream::{parse_servers, JetStreamConfig, JetStreamLog};
+use anima_engine::log::{AppendRecord, EventLog, LogError, StoredRecord};
+use anima_engine::subject::agent_subject;
+use anima_engine::testing::{NatsCluster, NatsServer, CLUSTER_NODES};
+use bytes::Bytes;
+use futures::StreamExt;
+
+fn record(msg_id: &str) -> AppendRecord {
+    AppendRecord { subject: agent_subject("a1"), msg_id: msg_id.to_owned(), payload: Bytes::from_static(b"x") }
+}
+
+/// A server list whose first entry is down still connects: an engine restarted while one node
+/// of its cluster is away can start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_list_connects_past_a_server_that_is_down() {
+    let down = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
+    let down_url = down.url();
+    drop(down);
+    let up = tokio::task::spawn_blocking(NatsServer::start).await.expect("nats-server start task");
+    let config = JetStreamConfig {
+        url: format!("{down_url}, {}", up.url()),
+        request_timeout: Duration::from_secs(2),
+        ..JetStreamConfig::default()
+    };
+    // The client shuffles the list, so connect a few times to meet the dead server first.
+    for attempt in 0..4 {
+        let log = JetStreamLog::connect(config.clone()).await.expect("connects to the server that is up");
+        let outcome = log.append(record(&format!("m{attempt}"))).await.expect("append");
+        assert_eq!(outcome.seq(), attempt + 1);
+    }
+}
+
+/// A malformed list is a configuration error naming the entry, never "unavailable" (which
+/// callers retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_server_list_is_a_configuration_error() {
+    for (list, named) in [
+        ("nats://127.0.0.1:4222,nats://127.0.0.1:99999", "\"nats://127.0.0.1:99999\""),
+        ("nats://127.0.0.1:4222,,nats://127.0.0.1:4223", "server 2 of 3 is empty"),
+        ("http://127.0.0.1:4222", "\"http://127.0.0.1:4222\""),
+    ] {
+        let config = JetStreamConfig { url: list.to_owned(), ..JetStreamConfig::default() };
+        match JetStreamLog::connect(config).await {
+            Err(LogError::Store(message)) => {
+                assert!(message.contains("NATS server list"), "{message}");
+                assert!(message.contains(named), "{list:?} gave {message}");
+            }
+            other => panic!("{list:?}: expected a configuration error, got {other:?}"),
+        }
+    }
+}
+
+/// Events appended across the failovers.
+const FAILOVER_EVENTS: usize = 60_000;
+/// Events per `append_batch` (one connector's burst).
+const FAILOVER_BATCH: usize = 1_000;
+/// The stream leader is killed once this many events were acknowledged, then once more for each
+/// further entry; the killed node comes back (same store) before the next kill.
+const KILL_AFTER_ACKNOWLEDGED: [usize; 3] = [10_000, 25_000, 40_000];
+/// Bound on every wait of the failover test: the cluster forming, an election, a node catching
+/// up. Each is seconds when things work; the bound turns a hang into a failure.
+const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
+/// Events the writer may run ahead of the test's next step, so appends are in flight at every
+/// kill whatever the machine's speed.
+const WRITER_SLACK_EVENTS: usize = 10_000;
+/// Timeout of the test's stream-info requests.
+const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
+/// Pause between two attempts of a batch that failed `Unavailable` (a connector's retry pace).
+const RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// What the writer saw: the acknowledged seq of every event, and when each batch completed.
+struct Written {
+    acknowledged: Vec<u64>,
+    batch_done_at: Vec<tokio::time::Instant>,
+    failed_attempts: usize,
+}
+
+/// Appends `FAILOVER_EVENTS` events in batches, retrying a batch that fails `Unavailable` with
+/// the same msg ids until it is acknowledged, as a connector does; publishes the number of
+/// acknowledged events on `progress`. Appends only as far as `gate` allows.
+async fn write_through_failovers(
+    log: Arc<JetStreamLog>,
+    progress: tokio::sync::watch::Sender<usize>,
+    mut gate: tokio::sync::watch::Receiver<usize>,
+) -> Written {
+    let mut written = Written { acknowledged: Vec::new(), batch_done_at: Vec::new(), failed_attempts: 0 };
+    for first in (0..FAILOVER_EVENTS).step_by(FAILOVER_BATCH) {
+        let batch: Vec<AppendRecord> = (first..(first + FAILOVER_BATCH).min(FAILOVER_EVENTS))
+            .map(|index| AppendRecord {
+                subject: agent_subject(&format!("a{}", index % 7)),
+                msg_id: format!("failover-{index}"),
+                payload: Bytes::from(index.to_string()),
+            })
+            .collect();
+        let end = first + batch.len();
+        gate.wait_for(|allowed| *allowed >= end).await.expect("the test holds the gate");
+        let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
+        let outcomes = loop {
+            match log.append_batch(batch.clone()).await {
+                Ok(outcomes) => break outcomes,
+                Err(LogError::Unavailable(reason)) if tokio::time::Instant::now() < deadline => {
+                    written.failed_attempts += 1;
+                    tracing::debug!(%reason, first, "batch unavailable; retrying with the same msg ids");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                Err(e) => panic!("batch from event {first} failed for good: {e}"),
+            }
+        };
+        written.acknowledged.extend(outcomes.iter().map(|outcome| outcome.seq()));
+        written.batch_done_at.push(tokio::time::Instant::now());
+        progress.send_replace(written.acknowledged.len());
+    }
+    written
+}
+
+/// The stream's leader and whether both followers are current, asked of any node that answers.
+async fn stream_cluster(admin: &async_nats::jetstream::Context) -> Option<(String, bool)> {
+    let stream = admin.get_stream("ANIMA").await.ok()?;
+    let info = stream.get_info().await.ok()?;
+    let cluster = info.cluster?;
+    let leader = cluster.leader?;
+    let current = cluster.replicas.len() == CLUSTER_NODES - 1
+        && cluster.replicas.iter().all(|peer| peer.current && !peer.offline);
+    Some((leader, current))
+}
+
+/// Polls `check` until it gives a value, for at most [`CLUSTER_STEP_DEADLINE`].
+async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut check: impl FnMut() -> F) -> T {
+    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {CLUSTER_STEP_DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Given a 3-node cluster and an R3 stream, when the stream leader is killed (SIGKILL) three
+/// times while one writer appends 60,000 events (each failed batch retried with the same msg
+/// ids), and then the node the log is connected to freezes, then every event is stored exactly once, at the seq its ack reported: nothing
+/// acknowledged is lost, nothing is duplicated. Prints how long appends were unavailable after
+/// each kill (not asserted: speed is the report's, not the test's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() {
+    let test_started = tokio::time::Instant::now();
+    let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+    let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
+    // JetStream elects its meta leader a few seconds after the nodes start: until then creating
+    // the stream is unavailable.
+    let log = poll_until("the R3 stream is created", || {
+        let config = config.clone();
+        async move {
+            match JetStreamLog::connect(config).await {
+                Ok(log) => Some(log),
+                Err(LogError::Unavailable(_)) => None,
+                Err(e) => panic!("connect to the cluster: {e}"),
+            }
+        }
+    })
+    .await;
+    let log = Arc::new(log);
+    let servers = parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
+    // The test's own view of the cluster: short timeouts, so a question sent to the node just
+    // killed does not hide how soon the others elected a leader.
+    let admin_client = async_nats::ConnectOptions::new()
+        .request_timeout(Some(ADMIN_TIMEOUT))
+        .ping_interval(ADMIN_TIMEOUT)
+        .connect(servers)
+        .await
+        .expect("admin connection");
+    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
+    poll_until("the stream has a leader and current followers", || async {
+        stream_cluster(&admin).await.filter(|(_, current)| *current)
+    })
+    .await;
+
+    let (progress_tx, mut progress) = tokio::sync::watch::channel(0usize);
+    let (gate, gate_rx) = tokio::sync::watch::channel(0usize);
+    let open_gate = |to: usize| gate.send_modify(|allowed| *allowed = (*allowed).max(to).min(FAILOVER_EVENTS));
+    let writer = tokio::spawn(write_through_failovers(log.clone(), progress_tx, gate_rx));
+    let mut kills = Vec::new();
+    for threshold in KILL_AFTER_ACKNOWLEDGED {
+        open_gate(threshold + WRITER_SLACK_EVENTS);
+        tokio::time::timeout(CLUSTER_STEP_DEADLINE, progress.wait_for(|acknowledged| *acknowledged >= threshold))
+            .await
+            .unwrap_or_else(|_| panic!("the writer did not reach {threshold} events"))
+            .expect("the writer is running");
+        let (leader, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+        let node = cluster.node_named(&leader).unwrap_or_else(|| panic!("leader {leader:?} is not a node"));
+        let acknowledged_at_kill = *progress.borrow();
+        open_gate(acknowledged_at_kill + WRITER_SLACK_EVENTS);
+        tokio::task::block_in_place(|| cluster.node(node).kill());
+        let killed_at = tokio::time::Instant::now();
+        let (new_leader, _) = poll_until("a new stream leader is elected", || async {
+            stream_cluster(&admin).await.filter(|(name, _)| *name != leader)
+        })
+        .await;
+        let elected_at = tokio::time::Instant::now();
+        // Appends go on with two nodes; then the killed one comes back and catches up.
+        tokio::time::timeout(
+            CLUSTER_STEP_DEADLINE,
+            progress.wait_for(|acknowledged| *acknowledged >= acknowledged_at_kill + FAILOVER_BATCH),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("no appends after killing {leader}"))
+        .expect("the writer is running");
+        tokio::task::block_in_place(|| cluster.node(node).resume());
+        poll_until("the restarted node catches up", || async {
+            stream_cluster(&admin).await.filter(|(_, current)| *current)
+        })
+        .await;
+        kills.push((leader, new_leader, acknowledged_at_kill, killed_at, elected_at));
+    }
+    // Then the node the log is connected to freezes (SIGSTOP): the client must notice by its
+    // pings and move to another node.
+    let frozen = log.connected_server();
+    let frozen_node = cluster.node_named(&frozen).unwrap_or_else(|| panic!("connected to {frozen:?}, not a node"));
+    let acknowledged_at_freeze = *progress.borrow();
+    open_gate(acknowledged_at_freeze + WRITER_SLACK_EVENTS);
+    cluster.node(frozen_node).freeze();
+    let frozen_at = tokio::time::Instant::now();
+    tokio::time::timeout(
+        CLUSTER_STEP_DEADLINE,
+        progress.wait_for(|acknowledged| *acknowledged >= acknowledged_at_freeze + FAILOVER_BATCH),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no appends while {frozen} is frozen"))
+    .expect("the writer is running");
+    let moved_to = log.connected_server();
+    cluster.node(frozen_node).thaw();
+    open_gate(FAILOVER_EVENTS);
+    let written =
+        tokio::time::timeout(4 * CLUSTER_STEP_DEADLINE, writer).await.expect("the writer finishes").expect("writer");
+
+    // Every event exactly once, where its ack said.
+    let last_seq = log.last_seq().await.expect("last seq");
+    let stream = log.read(1, last_seq, None).await.expect("read");
+    let stored: Vec<StoredRecord> =
+        tokio::time::timeout(CLUSTER_STEP_DEADLINE, stream.map(|r| r.expect("record")).collect())
+            .await
+            .expect("the read ends");
+    let mut stored_seq_of: Vec<Option<u64>> = vec![None; FAILOVER_EVENTS];
+    let mut duplicates = 0;
+    for record in &stored {
+        let index: usize = std::str::from_utf8(&record.payload).expect("utf-8").parse().expect("an event index");
+        if stored_seq_of[index].replace(record.seq).is_some() {
+            duplicates += 1;
+        }
+    }
+    let lost = (0..FAILOVER_EVENTS).filter(|index| stored_seq_of[*index] != Some(written.acknowledged[*index])).count();
+    eprintln!(
+        "cluster failover: {} events acknowledged, {} stored, {} kills of the stream leader, {lost} lost, \
+         {duplicates} duplicated, {} failed batch attempts retried, {:.1} s in all",
+        written.acknowledged.len(),
+        stored.len(),
+        kills.len(),
+        written.failed_attempts,
+        test_started.elapsed().as_secs_f64()
+    );
+    for (leader, new_leader, acknowledged_at_kill, killed_at, elected_at) in &kills {
+        // Appends were unavailable from the kill until the first batch that completed after it.
+        let resumed_at = written.batch_done_at.iter().find(|done| *done > killed_at).expect("a batch after the kill");
+        eprintln!(
+            "  kill of leader {leader} after {acknowledged_at_kill} events: new leader {new_leader} after {:.2} s, \
+             appends unavailable {:.2} s ({:.2} s after the election)",
+            (*elected_at - *killed_at).as_secs_f64(),
+            (*resumed_at - *killed_at).as_secs_f64(),
+            resumed_at.saturating_duration_since(*elected_at).as_secs_f64(),
+        );
+    }
+    let resumed_at = written.batch_done_at.iter().find(|done| **done > frozen_at).expect("a batch after the freeze");
+    eprintln!(
+        "  freeze of {frozen} (the node the log was connected to) after {acknowledged_at_freeze} events: \
+         appends unavailable {:.2} s, connection moved to {moved_to}",
+        (*resumed_at - frozen_at).as_secs_f64()
+    );
+    assert_ne!(moved_to, frozen, "the log left the frozen node");
+    assert_eq!(written.acknowledged.len(), FAILOVER_EVENTS, "every batch was acknowledged in the end");
+    assert_eq!(kills.len(), KILL_AFTER_ACKNOWLEDGED.len());
+    assert_eq!(duplicates, 0, "no event is stored twice");
+    assert_eq!(lost, 0, "every acknowledged event is stored, at the seq its ack reported");
+    assert_eq!(stored.len(), FAILOVER_EVENTS, "nothing else is stored");
+}
