@@ -8,7 +8,8 @@
 //!   `Respond` + `ConfirmResponse`), `Finish`.
 //! * Send loops: `Send` (resent when held) + `Confirm` on the agents' surfaces, as an agent that
 //!   posts outside its wakes.
-//! * Readers: `Analytics.Counts` and `Replay.StateAt`, each one call at a time at a low rate.
+//! * Readers: `Analytics.Counts` and `Replay.StateAt`, each one call at a time at a low rate; a
+//!   call still running when the run ends is abandoned (not counted).
 //!
 //! Every call is timed from just before it is made until its answer, and recorded by code when it
 //! fails; nothing here panics on an engine's answer.
@@ -605,7 +606,11 @@ pub async fn counts_reader(channel: Channel, period: Duration, stop: Cancellatio
             _ = tick.tick() => {}
         }
         let request = api::AnalyticsCountsRequest { range: None, bucket: api::AnalyticsBucket::Minute as i32 };
-        timed(&recorder, Rpc::Counts, analytics.counts(request)).await;
+        // A reader's call may take seconds on a long log: the end of the run abandons it.
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = timed(&recorder, Rpc::Counts, analytics.counts(request)) => {}
+        }
     }
 }
 
@@ -628,6 +633,9 @@ pub async fn state_at_reader(
         }
         let agent_id = fleet.agents[round % fleet.agents.len()].id.clone();
         let request = api::ReplayStateAtRequest { at: None, agent_id, surface: String::new() };
-        timed(&recorder, Rpc::StateAt, replay.state_at(request)).await;
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = timed(&recorder, Rpc::StateAt, replay.state_at(request)) => {}
+        }
     }
 }
