@@ -94,6 +94,10 @@ struct Args {
     /// Seconds between report lines.
     #[arg(long, default_value_t = 5)]
     report_every_seconds: u64,
+    /// Stop the run early when the engine's RSS passes this (MiB): the machine is shared, and an
+    /// engine whose memory grows with history must not take it down.
+    #[arg(long, default_value_t = 6144)]
+    rss_limit_mib: u64,
     /// Write a self-contained SVG chart of the run (ops/s, Send p99, fold lag, RSS) here.
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -179,11 +183,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             (LogBackend::JetStream(server.url()), Some(server))
         }
     };
-    let backend_name = match &backend {
-        LogBackend::Embedded => "embedded (sled)".to_owned(),
-        LogBackend::JetStream(url) => format!("JetStream at {url}"),
+    let backend_name = match (&backend, &nats) {
+        (LogBackend::Embedded, _) => "embedded log (sled)".to_owned(),
+        (LogBackend::JetStream(_), Some(_)) => "JetStream (nats-server started by the tool)".to_owned(),
+        (LogBackend::JetStream(url), None) => format!("JetStream at {url}"),
     };
     eprintln!("anima-load: starting {} on {backend_name}", binary.display());
+    if let LogBackend::JetStream(url) = &backend {
+        eprintln!("anima-load: JetStream at {url}");
+    }
     let mut engine = EngineProcess::start(&binary, backend, nats).await?;
     eprintln!(
         "anima-load: engine pid {} serving gRPC on {}, metrics on {}",
@@ -262,6 +270,13 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
             ));
             break;
         }
+        if let Some(rss) = report.chart.last().map(|p| p.rss_mib).filter(|&rss| rss > args.rss_limit_mib as f64) {
+            eprintln!(
+                "anima-load: the engine's RSS is {rss:.0} MiB, over --rss-limit-mib {}; ending the run early",
+                args.rss_limit_mib
+            );
+            break;
+        }
         if started.elapsed() >= deadline {
             break;
         }
@@ -292,7 +307,7 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     let summary = report.summary(load_seconds, &samples, &fleet);
     println!("{summary}");
     if let Some(path) = &args.chart {
-        let title = format!("anima-load: {backend_name}, {} s", args.duration_seconds);
+        let title = format!("anima-load: {backend_name}, {load_seconds:.0} s");
         let subtitle = format!(
             "{} agents, {} surfaces; ingest {}/s, wakes ≤ {}/s, sends {}/s; {}",
             args.agents,
