@@ -306,6 +306,9 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     let samples = samples.lock().expect("samples lock").clone();
     let summary = report.summary(load_seconds, &samples, &fleet);
     println!("{summary}");
+    for ((rpc, code), message) in recorder.first_messages() {
+        println!("first {} {code}: {message}", rpc.name());
+    }
     if let Some(path) = &args.chart {
         let title = format!("anima-load: {backend_name}, {load_seconds:.0} s");
         let subtitle = format!(

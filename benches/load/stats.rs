@@ -6,6 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// How much of an error message the summary keeps.
+const ERROR_MESSAGE_CHARS_MAX: usize = 300;
+
 /// The RPCs the load calls, in the order the report prints them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Rpc {
@@ -106,6 +109,8 @@ impl Window {
 #[derive(Debug, Default)]
 pub struct Recorder {
     current: Mutex<Window>,
+    /// The first message seen per (RPC, code), for the summary: a count alone does not say why.
+    first_messages: Mutex<BTreeMap<(Rpc, String), String>>,
 }
 
 impl Recorder {
@@ -114,9 +119,20 @@ impl Recorder {
         self.current.lock().expect("recorder lock").rpcs[rpc.index()].latencies_us.push(micros);
     }
 
-    pub fn error(&self, rpc: Rpc, code: tonic::Code) {
+    /// A failed call, with the message the engine (or the client, for a timeout) gave.
+    pub fn error(&self, rpc: Rpc, code: tonic::Code, message: &str) {
         let name = format!("{code:?}");
+        self.first_messages
+            .lock()
+            .expect("recorder lock")
+            .entry((rpc, name.clone()))
+            .or_insert_with(|| message.chars().take(ERROR_MESSAGE_CHARS_MAX).collect());
         *self.current.lock().expect("recorder lock").rpcs[rpc.index()].errors.entry(name).or_default() += 1;
+    }
+
+    /// The first message of every (RPC, code) that failed, in report order.
+    pub fn first_messages(&self) -> Vec<((Rpc, String), String)> {
+        self.first_messages.lock().expect("recorder lock").clone().into_iter().collect()
     }
 
     /// The calls recorded since the last take.

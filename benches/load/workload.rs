@@ -299,11 +299,11 @@ async fn timed<T>(
             Some(response.into_inner())
         }
         Ok(Err(status)) => {
-            recorder.error(rpc, status.code());
+            recorder.error(rpc, status.code(), status.message());
             None
         }
         Err(_) => {
-            recorder.error(rpc, Code::DeadlineExceeded);
+            recorder.error(rpc, Code::DeadlineExceeded, "no answer within the load's 30 s call bound");
             None
         }
     }
@@ -330,7 +330,7 @@ pub async fn ingest_stream(
     let mut pacer = Pacer::new(rate_per_second);
     while !stop.is_cancelled() {
         if let Err(status) = one_append_stream(&fleet, channel.clone(), &mut pacer, &stop, &recorder).await {
-            recorder.error(Rpc::AppendStream, status.code());
+            recorder.error(Rpc::AppendStream, status.code(), status.message());
             tokio::select! {
                 _ = stop.cancelled() => {}
                 _ = tokio::time::sleep(REOPEN_PAUSE) => {}
@@ -402,9 +402,9 @@ async fn one_append_stream(
                     recorder.ok(Rpc::AppendStream, sent.elapsed())
                 }
                 Some(api::append_stream_response::Result::Error(error)) => {
-                    recorder.error(Rpc::AppendStream, Code::from(error.code))
+                    recorder.error(Rpc::AppendStream, Code::from(error.code), &error.message)
                 }
-                None => recorder.error(Rpc::AppendStream, Code::Internal),
+                None => recorder.error(Rpc::AppendStream, Code::Internal, "an answer with no result"),
             }
         }
         Ok::<(), Status>(())
