@@ -1,0 +1,652 @@
+//! `anima-load`: the real `anima-wake serve` under mixed gRPC load for a bounded time.
+//!
+//! It starts the engine itself on loopback (embedded log, or JetStream: a given `--nats URL` or a
+//! `nats-server` it starts), registers a fixed fleet of agents, drives ingest streams, runtime
+//! loops, send loops and readers at bounded rates (`workload`), prints one line every 5 s (ops/s,
+//! p50/p99 and errors per RPC, fold lag from `/metrics`, the engine's RSS), a summary at the end,
+//! and with `--chart FILE` an SVG of the run. The engine is stopped with SIGTERM at the end.
+
+mod chart;
+mod engine;
+mod nats;
+mod stats;
+mod workload;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, ValueEnum};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::chart::ChartPoint;
+use crate::engine::{EngineProcess, FoldProbe, LogBackend};
+use crate::stats::{millis, quantile, Recorder, Rpc, Window};
+use crate::workload::Fleet;
+
+/// How often `/metrics` and the engine's RSS are sampled.
+const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+/// How long the load's tasks may take to finish their calls once told to stop.
+const DRAIN_WAIT_MAX: Duration = Duration::from_secs(15);
+/// Rates above these are refused: they are typing errors, not loads this machine can offer.
+const RATE_PER_SECOND_MAX: f64 = 1_000_000.0;
+const DURATION_SECONDS_MAX: u64 = 24 * 3600;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    Embedded,
+    Jetstream,
+}
+
+/// Mixed gRPC load against a real `anima-wake serve` on loopback, with a report every few
+/// seconds, a summary and an optional chart.
+#[derive(Debug, Parser)]
+#[command(name = "anima-load")]
+struct Args {
+    /// The `anima-wake` binary (default: the one next to this executable; build it with
+    /// `cargo build --release -p anima-gateway --bin anima-wake`).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    /// The engine's log. `jetstream` starts its own `nats-server -js` unless --nats is given.
+    #[arg(long, value_enum, default_value = "embedded")]
+    backend: Backend,
+    /// Run the engine on JetStream at this URL (implies --backend jetstream).
+    #[arg(long)]
+    nats: Option<String>,
+    /// How long the load runs.
+    #[arg(long, default_value_t = 60)]
+    duration_seconds: u64,
+    /// Agents registered (one runtime loop each).
+    #[arg(long, default_value_t = 16)]
+    agents: usize,
+    /// Slack DMs, Slack channels, p2p and group chats, dealt out to the agents in turn
+    /// (at least 4 per agent).
+    #[arg(long, default_value_t = 400)]
+    surfaces: usize,
+    /// Observations appended per second, over all ingest streams.
+    #[arg(long, default_value_t = 6000.0)]
+    ingest_per_second: f64,
+    /// `Ingest.AppendStream` calls open at once.
+    #[arg(long, default_value_t = 4)]
+    ingest_streams: usize,
+    /// Wakes claimed per second at most, over all runtime loops (one per agent): each is Claim,
+    /// Start, Send (+ resend) + Confirm or Respond + ConfirmResponse, Finish.
+    #[arg(long, default_value_t = 400.0)]
+    wakes_per_second: f64,
+    /// Posts outside wakes per second, over all send loops: Send (+ resend when held) + Confirm.
+    #[arg(long, default_value_t = 1500.0)]
+    sends_per_second: f64,
+    /// Send loops (each one call at a time).
+    #[arg(long, default_value_t = 8)]
+    send_loops: usize,
+    /// Seconds between `Analytics.Counts` calls (0: none).
+    #[arg(long, default_value_t = 10.0)]
+    counts_every_seconds: f64,
+    /// Seconds between `Replay.StateAt` calls (0: none).
+    #[arg(long, default_value_t = 5.0)]
+    state_at_every_seconds: f64,
+    /// HTTP/2 connections the clients share.
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
+    /// Seconds between report lines.
+    #[arg(long, default_value_t = 5)]
+    report_every_seconds: u64,
+    /// Stop the run early when the engine's RSS passes this (MiB): the machine is shared, and an
+    /// engine whose memory grows with history must not take it down.
+    #[arg(long, default_value_t = 6144)]
+    rss_limit_mib: u64,
+    /// Write a self-contained SVG chart of the run (ops/s, Send p99, fold lag, RSS) here.
+    #[arg(long)]
+    chart: Option<PathBuf>,
+}
+
+impl Args {
+    fn check(&self) -> anyhow::Result<()> {
+        if self.agents == 0 || self.surfaces < 4 * self.agents {
+            bail!("--surfaces must be at least 4 × --agents (every agent gets each kind of surface), and --agents ≥ 1");
+        }
+        for (name, rate) in [
+            ("--ingest-per-second", self.ingest_per_second),
+            ("--wakes-per-second", self.wakes_per_second),
+            ("--sends-per-second", self.sends_per_second),
+        ] {
+            if !(0.0..=RATE_PER_SECOND_MAX).contains(&rate) {
+                bail!("{name}: expected 0..={RATE_PER_SECOND_MAX}, got {rate}");
+            }
+        }
+        if self.duration_seconds == 0 || self.duration_seconds > DURATION_SECONDS_MAX {
+            bail!("--duration-seconds: expected 1..={DURATION_SECONDS_MAX}, got {}", self.duration_seconds);
+        }
+        if self.ingest_streams == 0 || self.send_loops == 0 || self.connections == 0 || self.report_every_seconds == 0 {
+            bail!("--ingest-streams, --send-loops, --connections and --report-every-seconds must be at least 1");
+        }
+        if !(self.counts_every_seconds >= 0.0 && self.state_at_every_seconds >= 0.0) {
+            bail!("--counts-every-seconds and --state-at-every-seconds must be ≥ 0");
+        }
+        Ok(())
+    }
+
+    fn backend(&self) -> Backend {
+        if self.nats.is_some() {
+            Backend::Jetstream
+        } else {
+            self.backend
+        }
+    }
+}
+
+/// A probe of the engine at one moment of the run.
+#[derive(Clone, Copy, Debug)]
+struct Sample {
+    at_seconds: f64,
+    fold: Option<FoldProbe>,
+    rss_kib: Option<u64>,
+    /// CPU seconds used so far by the engine and by this tool.
+    engine_cpu_seconds: Option<f64>,
+    load_cpu_seconds: Option<f64>,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("anima-load: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` reads well whether or not RUST_BACKTRACE is set.
+            eprintln!("anima-load: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    args.check()?;
+    let binary = match &args.binary {
+        Some(path) => path.clone(),
+        None => engine::default_binary()?,
+    };
+    engine::check_binary(&binary)?;
+    let (backend, nats) = match (args.backend(), &args.nats) {
+        (Backend::Embedded, _) => (LogBackend::Embedded, None),
+        (Backend::Jetstream, Some(url)) => (LogBackend::JetStream(url.clone()), None),
+        (Backend::Jetstream, None) => {
+            let server = nats::NatsServer::start().await?;
+            (LogBackend::JetStream(server.url()), Some(server))
+        }
+    };
+    let backend_name = match (&backend, &nats) {
+        (LogBackend::Embedded, _) => "embedded log (sled)".to_owned(),
+        (LogBackend::JetStream(_), Some(_)) => "JetStream (nats-server started by the tool)".to_owned(),
+        (LogBackend::JetStream(url), None) => format!("JetStream at {url}"),
+    };
+    eprintln!("anima-load: starting {} on {backend_name}", binary.display());
+    if let LogBackend::JetStream(url) = &backend {
+        eprintln!("anima-load: JetStream at {url}");
+    }
+    let mut engine = EngineProcess::start(&binary, backend, nats).await?;
+    eprintln!(
+        "anima-load: engine pid {} serving gRPC on {}, metrics on {}",
+        engine.pid, engine.grpc_addr, engine.metrics_addr
+    );
+    let outcome = drive(&args, &backend_name, &mut engine).await;
+    let (stop_took, clean) = engine.stop().await?;
+    eprintln!(
+        "anima-load: engine stopped {} in {:.1} s",
+        if clean { "cleanly (SIGTERM)" } else { "NOT cleanly" },
+        stop_took.as_secs_f64()
+    );
+    outcome
+}
+
+/// Registers the fleet, runs the load for the configured time, reports and charts it.
+async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> anyhow::Result<()> {
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let channel = Endpoint::from_shared(format!("http://{}", engine.grpc_addr))?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .context("connect to the engine")?;
+        channels.push(channel);
+    }
+    let fleet = Arc::new(Fleet::new(args.agents, args.surfaces));
+    workload::register_agents(&fleet, channels[0].clone()).await?;
+
+    let stop = CancellationToken::new();
+    let recorder = Arc::new(Recorder::default());
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let started = Instant::now();
+    let mut tasks = JoinSet::new();
+    spawn_load(args, &fleet, &channels, &stop, &recorder, &mut tasks);
+    let sampler = tokio::spawn(sample_engine(engine.pid, engine.metrics_addr, started, stop.clone(), samples.clone()));
+    eprintln!(
+        "anima-load: {} s of load: {} agents, {} surfaces, ingest {}/s over {} streams, wakes ≤ {}/s, \
+         sends {}/s over {} loops, Counts every {} s, StateAt every {} s",
+        args.duration_seconds,
+        args.agents,
+        args.surfaces,
+        args.ingest_per_second,
+        args.ingest_streams,
+        args.wakes_per_second,
+        args.sends_per_second,
+        args.send_loops,
+        args.counts_every_seconds,
+        args.state_at_every_seconds
+    );
+
+    let mut report = Report::default();
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + Duration::from_secs(1), Duration::from_secs(1));
+    let deadline = Duration::from_secs(args.duration_seconds);
+    let mut failure = None;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut ctrl_c => {
+                eprintln!("anima-load: interrupted; stopping the load");
+                break;
+            }
+        }
+        let at = started.elapsed().as_secs_f64();
+        report.second(at, recorder.take(), &samples.lock().expect("samples lock"), true);
+        if (report.seconds.len() as u64).is_multiple_of(args.report_every_seconds) {
+            println!("{}", report.line(&fleet));
+        }
+        if let Some(status) = engine.exited() {
+            failure = Some(anyhow::anyhow!(
+                "the engine exited during the run ({status}); its stderr:\n{}",
+                engine.stderr_tail()
+            ));
+            break;
+        }
+        if let Some(rss) = report.chart.last().map(|p| p.rss_mib).filter(|&rss| rss > args.rss_limit_mib as f64) {
+            eprintln!(
+                "anima-load: the engine's RSS is {rss:.0} MiB, over --rss-limit-mib {}; ending the run early",
+                args.rss_limit_mib
+            );
+            break;
+        }
+        if started.elapsed() >= deadline {
+            break;
+        }
+    }
+    let load_seconds = started.elapsed().as_secs_f64();
+    stop.cancel();
+    let drained = tokio::time::timeout(DRAIN_WAIT_MAX, async {
+        while let Some(joined) = tasks.join_next().await {
+            if let Err(e) = joined {
+                eprintln!("anima-load: a load task failed: {e}");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        eprintln!("anima-load: load tasks still busy after {DRAIN_WAIT_MAX:?}; abandoning their calls");
+        tasks.abort_all();
+    }
+    let _ = sampler.await;
+    // Calls answered while draining count in the totals, not as a second of the chart.
+    report.second(load_seconds, recorder.take(), &samples.lock().expect("samples lock"), false);
+    drop(channels);
+    if let Some(failure) = failure {
+        return Err(failure);
+    }
+
+    let samples = samples.lock().expect("samples lock").clone();
+    let summary = report.summary(load_seconds, &samples, &fleet);
+    println!("{summary}");
+    for ((rpc, code), message) in recorder.first_messages() {
+        println!("first {} {code}: {message}", rpc.name());
+    }
+    if let Some(path) = &args.chart {
+        let title = format!("anima-load: {backend_name}, {load_seconds:.0} s");
+        let subtitle = format!(
+            "{} agents, {} surfaces; ingest {}/s, wakes ≤ {}/s, sends {}/s; {}",
+            args.agents,
+            args.surfaces,
+            args.ingest_per_second,
+            args.wakes_per_second,
+            args.sends_per_second,
+            report.headline(load_seconds, &samples)
+        );
+        std::fs::write(path, chart::svg(&title, &subtitle, &report.chart))
+            .with_context(|| format!("write the chart to {}", path.display()))?;
+        eprintln!("anima-load: chart written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn spawn_load(
+    args: &Args,
+    fleet: &Arc<Fleet>,
+    channels: &[Channel],
+    stop: &CancellationToken,
+    recorder: &Arc<Recorder>,
+    tasks: &mut JoinSet<()>,
+) {
+    let mut next_channel = 0usize;
+    let mut channel = || {
+        next_channel += 1;
+        channels[next_channel % channels.len()].clone()
+    };
+    if args.ingest_per_second > 0.0 {
+        let per_stream = args.ingest_per_second / args.ingest_streams as f64;
+        for _ in 0..args.ingest_streams {
+            tasks.spawn(workload::ingest_stream(fleet.clone(), channel(), per_stream, stop.clone(), recorder.clone()));
+        }
+    }
+    if args.wakes_per_second > 0.0 {
+        let per_agent = args.wakes_per_second / fleet.agent_count() as f64;
+        for agent in 0..fleet.agent_count() {
+            tasks.spawn(workload::runtime_loop(
+                fleet.clone(),
+                agent,
+                channel(),
+                per_agent,
+                stop.clone(),
+                recorder.clone(),
+            ));
+        }
+    }
+    if args.sends_per_second > 0.0 {
+        let per_loop = args.sends_per_second / args.send_loops as f64;
+        for index in 0..args.send_loops {
+            tasks.spawn(workload::send_loop(
+                fleet.clone(),
+                index,
+                args.send_loops,
+                channel(),
+                per_loop,
+                stop.clone(),
+                recorder.clone(),
+            ));
+        }
+    }
+    if args.counts_every_seconds > 0.0 {
+        let period = Duration::from_secs_f64(args.counts_every_seconds);
+        tasks.spawn(workload::counts_reader(channel(), period, stop.clone(), recorder.clone()));
+    }
+    if args.state_at_every_seconds > 0.0 {
+        let period = Duration::from_secs_f64(args.state_at_every_seconds);
+        tasks.spawn(workload::state_at_reader(fleet.clone(), channel(), period, stop.clone(), recorder.clone()));
+    }
+}
+
+/// Probes `/metrics` and the engine's RSS every [`SAMPLE_INTERVAL`] until `stop`.
+async fn sample_engine(
+    pid: u32,
+    metrics_addr: std::net::SocketAddr,
+    started: Instant,
+    stop: CancellationToken,
+    samples: Arc<Mutex<Vec<Sample>>>,
+) {
+    let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let fold = engine::scrape_fold(metrics_addr).await.ok();
+        let sample = Sample {
+            at_seconds: started.elapsed().as_secs_f64(),
+            fold,
+            rss_kib: engine::rss_kib(pid),
+            engine_cpu_seconds: engine::cpu_seconds(&pid.to_string()),
+            load_cpu_seconds: engine::cpu_seconds("self"),
+        };
+        samples.lock().expect("samples lock").push(sample);
+    }
+}
+
+/// What the run has measured so far: per second for the chart, per report line, and in total.
+#[derive(Default)]
+struct Report {
+    seconds: Vec<f64>,
+    chart: Vec<ChartPoint>,
+    /// Calls since the last report line.
+    since_line: Window,
+    since_line_started: f64,
+    /// Samples already attributed to a second.
+    samples_seen: usize,
+    /// Every call of the run: the summary's percentiles and maxima are exact (4 bytes a call).
+    totals: Window,
+    /// Fold lag samples of the current report line.
+    line_lags: Vec<u64>,
+    /// CPU seconds (engine, this tool) at the newest sample, at the start of the current report
+    /// line, and at the first sample.
+    cpu_now: Option<(f64, f64)>,
+    cpu_line_start: Option<(f64, f64)>,
+    cpu_first: Option<(f64, f64)>,
+}
+
+impl Report {
+    /// Takes one second's calls and the samples since the previous second; `charted`: as a
+    /// point of the chart (the drain after the run is not).
+    fn second(&mut self, at: f64, window: Window, samples: &[Sample], charted: bool) {
+        let new_samples = &samples[self.samples_seen.min(samples.len())..];
+        self.samples_seen = samples.len();
+        let lags: Vec<u64> = new_samples.iter().filter_map(|s| s.fold.map(|f| f.lag_events)).collect();
+        let rss =
+            new_samples.iter().rev().find_map(|s| s.rss_kib).or_else(|| samples.iter().rev().find_map(|s| s.rss_kib));
+        let interval = at - self.seconds.last().copied().unwrap_or(0.0);
+        if charted {
+            let mut send = window.rpc(Rpc::Send).latencies_us.clone();
+            self.chart.push(ChartPoint {
+                at_seconds: at,
+                ops_per_second: window.ok_calls() as f64 / interval.max(0.001),
+                send_p99_ms: f64::from(quantile(&mut send, 0.99)) / 1000.0,
+                fold_lag_events: lags.iter().copied().max().unwrap_or(0) as f64,
+                rss_mib: rss.unwrap_or(0) as f64 / 1024.0,
+            });
+            self.seconds.push(at);
+        }
+        self.totals.merge(&window);
+        self.since_line.merge(&window);
+        self.line_lags.extend(lags);
+        if let Some(cpu) = samples.iter().rev().find_map(|s| s.engine_cpu_seconds.zip(s.load_cpu_seconds)) {
+            self.cpu_first.get_or_insert(cpu);
+            self.cpu_line_start.get_or_insert(cpu);
+            self.cpu_now = Some(cpu);
+        }
+    }
+
+    /// One report line for the calls since the previous one; starts the next.
+    fn line(&mut self, fleet: &Fleet) -> String {
+        let now = self.seconds.last().copied().unwrap_or(0.0);
+        let interval = (now - self.since_line_started).max(0.001);
+        let window = std::mem::take(&mut self.since_line);
+        let mut lags = std::mem::take(&mut self.line_lags);
+        self.since_line_started = now;
+        let mut line = format!("[{now:>5.0} s] {:>6.0} ops/s |", window.ok_calls() as f64 / interval);
+        let cpu = cpu_percent(self.cpu_line_start, self.cpu_now, interval);
+        self.cpu_line_start = self.cpu_now;
+        for rpc in Rpc::ALL {
+            let calls = window.rpc(rpc);
+            if calls.latencies_us.is_empty() && calls.errors.is_empty() {
+                continue;
+            }
+            let mut latencies = calls.latencies_us.clone();
+            let p50 = quantile(&mut latencies, 0.5);
+            let p99 = quantile(&mut latencies, 0.99);
+            line.push_str(&format!(
+                " {} {}/s {}/{} ms",
+                rpc.name(),
+                rate(calls.latencies_us.len() as f64 / interval),
+                millis(p50),
+                millis(p99)
+            ));
+            for (code, count) in &calls.errors {
+                line.push_str(&format!(" [{code} {count}]"));
+            }
+            line.push_str(" |");
+        }
+        let lag_p99 = quantile(&mut lags, 0.99);
+        let lag_max = lags.iter().copied().max().unwrap_or(0);
+        let rss = self.chart.last().map_or(0.0, |p| p.rss_mib);
+        line.push_str(&format!(
+            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB | cpu {cpu} | held {}",
+            fleet.sends_held.load(std::sync::atomic::Ordering::Relaxed)
+        ));
+        line
+    }
+
+    /// The few figures the chart's subtitle shows.
+    fn headline(&self, load_seconds: f64, samples: &[Sample]) -> String {
+        let total = self.totals.ok_calls();
+        let mut send = self.totals.rpc(Rpc::Send).latencies_us.clone();
+        let mut lags: Vec<u64> = samples.iter().filter_map(|s| s.fold.map(|f| f.lag_events)).collect();
+        format!(
+            "{:.0} ops/s, Send p99 {} ms, max {} ms, fold lag p99 {} events",
+            total as f64 / load_seconds.max(0.001),
+            millis(quantile(&mut send, 0.99)),
+            millis(send.iter().copied().max().unwrap_or(0)),
+            quantile(&mut lags, 0.99)
+        )
+    }
+
+    fn summary(&self, load_seconds: f64, samples: &[Sample], fleet: &Fleet) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut out = String::from("\n== anima-load summary ==\n");
+        let total = self.totals.ok_calls();
+        let ops = total as f64 / load_seconds.max(0.001);
+        out.push_str(&format!("duration {load_seconds:.1} s, {total} calls answered OK: {ops:.0} ops/s\n"));
+        out.push_str("  rpc                     ok      ok/s   p50 ms   p99 ms   max ms  errors\n");
+        for rpc in Rpc::ALL {
+            let calls = self.totals.rpc(rpc);
+            let ok = calls.latencies_us.len();
+            if ok == 0 && calls.errors.is_empty() {
+                continue;
+            }
+            let mut latencies = calls.latencies_us.clone();
+            let p50 = quantile(&mut latencies, 0.5);
+            let p99 = quantile(&mut latencies, 0.99);
+            let max = latencies.last().copied().unwrap_or(0);
+            out.push_str(&format!(
+                "  {:<16} {:>9} {:>9} {:>8} {:>8} {:>8} ",
+                rpc.name(),
+                ok,
+                rate(ok as f64 / load_seconds.max(0.001)),
+                millis(p50),
+                millis(p99),
+                millis(max)
+            ));
+            if calls.errors.is_empty() {
+                out.push_str(" none");
+            }
+            for (code, count) in &calls.errors {
+                out.push_str(&format!(" {code} {count}"));
+            }
+            out.push('\n');
+        }
+        let mut send = self.totals.rpc(Rpc::Send).latencies_us.clone();
+        let send_p50 = quantile(&mut send, 0.5);
+        let send_p99 = quantile(&mut send, 0.99);
+        let send_max = send.last().copied().unwrap_or(0);
+        let over_100ms = send.iter().filter(|&&us| us >= 100_000).count();
+        out.push_str(&format!(
+            "Send: n {} p50 {} ms, p99 {} ms, max {} ms ({} at or over 100 ms); held at first ask {}, still held \
+             when resent {}\n",
+            send.len(),
+            millis(send_p50),
+            millis(send_p99),
+            millis(send_max),
+            over_100ms,
+            fleet.sends_held.load(Relaxed),
+            fleet.sends_held_twice.load(Relaxed)
+        ));
+        out.push_str(&format!("cpu: {}\n", cpu_percent(self.cpu_first, self.cpu_now, load_seconds)));
+        out.push_str(&format!(
+            "claims: {} got a wake, {} found none\n",
+            fleet.claims_won.load(Relaxed),
+            fleet.claims_empty.load(Relaxed)
+        ));
+        let folds: Vec<(f64, FoldProbe)> = samples.iter().filter_map(|s| s.fold.map(|f| (s.at_seconds, f))).collect();
+        let mut lags: Vec<u64> = folds.iter().map(|(_, f)| f.lag_events).collect();
+        let lag_p50 = quantile(&mut lags, 0.5);
+        let lag_p99 = quantile(&mut lags, 0.99);
+        let lag_max = lags.last().copied().unwrap_or(0);
+        let fold_rate = match (folds.first(), folds.last()) {
+            (Some((t0, f0)), Some((t1, f1))) if t1 > t0 => {
+                (f1.applied_seq.saturating_sub(f0.applied_seq)) as f64 / (t1 - t0)
+            }
+            _ => 0.0,
+        };
+        let last_seq = folds.last().map_or(0, |(_, f)| f.last_seq);
+        let as_ms = |events: u64| if fold_rate > 0.0 { events as f64 / fold_rate * 1000.0 } else { 0.0 };
+        out.push_str(&format!(
+            "fold: {} samples every {} ms; lag p50 {lag_p50}, p99 {lag_p99}, max {lag_max} events (≈ {:.1} / {:.1} / {:.1} ms \
+             at the run's mean fold rate of {fold_rate:.0} events/s); log at seq {last_seq}\n",
+            folds.len(),
+            SAMPLE_INTERVAL.as_millis(),
+            as_ms(lag_p50),
+            as_ms(lag_p99),
+            as_ms(lag_max)
+        ));
+        let rss: Vec<(f64, u64)> = samples.iter().filter_map(|s| s.rss_kib.map(|r| (s.at_seconds, r))).collect();
+        if let (Some(&(_, first)), Some(&(_, last))) = (rss.first(), rss.last()) {
+            let max = rss.iter().map(|&(_, r)| r).max().unwrap_or(0);
+            let half = load_seconds / 2.0;
+            let at_half = rss.iter().find(|&&(t, _)| t >= half).map_or(first, |&(_, r)| r);
+            let growth = (last as f64 - at_half as f64) / (at_half as f64).max(1.0) * 100.0;
+            out.push_str(&format!(
+                "engine RSS: first {:.0} MiB, last {:.0} MiB, max {:.0} MiB; over the last half ({:.0} s → end) {:+.1}%\n",
+                first as f64 / 1024.0,
+                last as f64 / 1024.0,
+                max as f64 / 1024.0,
+                half,
+                growth
+            ));
+            out.push_str(&format!(
+                "targets (issue 9 item 6): ≥ 10,000 ops/s: {}; Send p99 ≤ 10 ms: {}; slowest Send ≤ 25 ms: {}; \
+                 fold lag p99 ≤ 50 ms (estimated): {}; RSS growth over the last half ≤ 5%: {}\n",
+                verdict(ops >= 10_000.0),
+                verdict(send_p99 <= 10_000),
+                verdict(send_max <= 25_000),
+                verdict(as_ms(lag_p99) <= 50.0),
+                verdict(growth <= 5.0)
+            ));
+        }
+        out
+    }
+}
+
+/// CPU used between two (engine, tool) readings over `seconds`, as percent of one core.
+fn cpu_percent(from: Option<(f64, f64)>, to: Option<(f64, f64)>, seconds: f64) -> String {
+    match (from, to) {
+        (Some((engine_from, load_from)), Some((engine_to, load_to))) => format!(
+            "engine {:.0}% load tool {:.0}% of a core",
+            (engine_to - engine_from) / seconds.max(0.001) * 100.0,
+            (load_to - load_from) / seconds.max(0.001) * 100.0
+        ),
+        _ => "unknown".into(),
+    }
+}
+
+/// A rate with a precision that suits its size.
+fn rate(per_second: f64) -> String {
+    if per_second < 10.0 {
+        format!("{per_second:.1}")
+    } else {
+        format!("{per_second:.0}")
+    }
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "NOT met"
+    }
+}
