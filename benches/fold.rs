@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use anima_engine::RunnerConfig;
 use anima_projections::proto::{self, envelope::Payload};
 use anima_projections::verdict::{ClaimVerdict, SendVerdict, Verdict};
+use anima_projections::wake::PlanEntry;
 use anima_projections::{LogPosition, State};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use prost::Message;
@@ -459,16 +460,7 @@ impl MixGenerator {
                 match self.emit(Payload::WakeClaim(claim)) {
                     Some(Verdict::Claim(ClaimVerdict::Claimed(claimed))) => {
                         self.counts.claims_claimed += 1;
-                        let plan = claimed
-                            .plan
-                            .iter()
-                            .map(|entry| proto::PlanSurface {
-                                surface: entry.surface.to_string(),
-                                expected_present: entry.expected.is_some(),
-                                expected_ordinal: entry.expected.unwrap_or(0),
-                                target_ordinal: entry.target,
-                            })
-                            .collect();
+                        let plan = claimed.plan.iter().map(PlanEntry::to_plan_surface).collect();
                         self.wakes[agent] = WakeProgress::Claimed {
                             item_id: claimed.item.id.clone(),
                             worker,

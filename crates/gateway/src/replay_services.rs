@@ -271,12 +271,7 @@ fn wake_item(item: &WakeItem) -> api::ReplayWakeItem {
 }
 
 fn plan_surface(entry: &PlanEntry) -> events::PlanSurface {
-    events::PlanSurface {
-        surface: entry.surface.to_string(),
-        expected_present: entry.expected.is_some(),
-        expected_ordinal: entry.expected.unwrap_or_default(),
-        target_ordinal: entry.target,
-    }
+    entry.to_plan_surface()
 }
 
 /// The state view of `StateAt`.

@@ -8,6 +8,7 @@ use anima_engine::command::{ChatObservation, IngestOutcome, LinearIngestOutcome,
 use anima_engine::{CommandError, Engine};
 use anima_projections::proto as events;
 use anima_projections::verdict::{RefusalKind, SendVerdict};
+use anima_projections::wake::PlanEntry;
 use futures::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -301,16 +302,7 @@ impl api::wakes_server::Wakes for Services {
                 agent_id: request.agent_id.clone(),
                 item_id: claimed.item.id.clone(),
                 reason: claimed.item.reason.as_str().to_owned(),
-                plan: claimed
-                    .plan
-                    .iter()
-                    .map(|entry| events::PlanSurface {
-                        surface: entry.surface.to_string(),
-                        expected_present: entry.expected.is_some(),
-                        expected_ordinal: entry.expected.unwrap_or(0),
-                        target_ordinal: entry.target,
-                    })
-                    .collect(),
+                plan: claimed.plan.iter().map(PlanEntry::to_plan_surface).collect(),
                 text: wake.text,
                 // A memory pass answers nobody: no target.
                 reply_to: Some(claimed.item.reply_to.to_target()).filter(|t| t.target.is_some()),

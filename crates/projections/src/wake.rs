@@ -117,6 +117,18 @@ pub struct PlanEntry {
     pub target: u64,
 }
 
+impl PlanEntry {
+    /// The entry as a runtime sends it back in its `Start` (and as a claim hands it out).
+    pub fn to_plan_surface(&self) -> crate::proto::PlanSurface {
+        crate::proto::PlanSurface {
+            surface: self.surface.to_string(),
+            expected_present: self.expected.is_some(),
+            expected_ordinal: self.expected.unwrap_or(0),
+            target_ordinal: self.target,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ActiveWake {
     pub item: WakeItem,

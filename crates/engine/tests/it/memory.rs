@@ -17,6 +17,7 @@ use anima_engine::log::EventLog;
 use anima_engine::{Engine, EngineConfig, Runner, RunnerConfig};
 use anima_projections::memory::{MemoryConfig, MemoryOutcome};
 use anima_projections::proto;
+use anima_projections::wake::PlanEntry;
 use tokio_util::sync::CancellationToken;
 
 const MINUTE_NS: i64 = 60 * 1_000_000_000;
@@ -101,16 +102,7 @@ async fn run_agent(engine: &Engine, agent: &str) -> Vec<(String, MemoryOutcome, 
         let outcome = engine.claim(claim, "").await.expect("claim");
         let Some(wake) = outcome.wake else { return passes };
         let claimed = wake.claimed;
-        let plan = claimed
-            .plan
-            .iter()
-            .map(|p| proto::PlanSurface {
-                surface: p.surface.to_string(),
-                expected_present: p.expected.is_some(),
-                expected_ordinal: p.expected.unwrap_or(0),
-                target_ordinal: p.target,
-            })
-            .collect();
+        let plan = claimed.plan.iter().map(PlanEntry::to_plan_surface).collect();
         let start = proto::WakeStartRequested {
             agent_id: agent.to_owned(),
             worker_id: "worker-1".into(),

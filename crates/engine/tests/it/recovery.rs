@@ -18,6 +18,7 @@ use anima_engine::log::embedded::EmbeddedConfig;
 use anima_engine::Engine;
 use anima_projections::proto;
 use anima_projections::verdict::{ClaimedWake, RefusalKind};
+use anima_projections::wake::PlanEntry;
 
 const MINUTE: Duration = Duration::from_secs(60);
 /// 2026-12-01 09:00 UTC.
@@ -98,16 +99,7 @@ impl Fixture {
     }
 
     async fn start(&self, worker: &str, claimed: &ClaimedWake) -> Result<u64, CommandError> {
-        let plan = claimed
-            .plan
-            .iter()
-            .map(|p| proto::PlanSurface {
-                surface: p.surface.to_string(),
-                expected_present: p.expected.is_some(),
-                expected_ordinal: p.expected.unwrap_or(0),
-                target_ordinal: p.target,
-            })
-            .collect();
+        let plan = claimed.plan.iter().map(PlanEntry::to_plan_surface).collect();
         let request = proto::WakeStartRequested {
             agent_id: "ada".into(),
             worker_id: worker.into(),

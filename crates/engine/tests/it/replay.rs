@@ -23,6 +23,7 @@ use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::redact::TimeBucket;
 use anima_projections::surface::SurfaceId;
 use anima_projections::verdict::{SendVerdict, Verdict};
+use anima_projections::wake::PlanEntry;
 use anima_projections::{LogPosition, State};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -130,16 +131,7 @@ async fn incident(log: &dyn EventLog) {
     }
     // The runtime hands back the plan its claim returned.
     let active = state.queue("ada").and_then(|q| q.active.clone()).expect("the claim took the wake");
-    let plan = active
-        .plan
-        .iter()
-        .map(|entry| proto::PlanSurface {
-            surface: entry.surface.to_string(),
-            expected_present: entry.expected.is_some(),
-            expected_ordinal: entry.expected.unwrap_or_default(),
-            target_ordinal: entry.target,
-        })
-        .collect();
+    let plan = active.plan.iter().map(PlanEntry::to_plan_surface).collect();
     let start = Payload::WakeStart(proto::WakeStartRequested {
         agent_id: "ada".into(),
         worker_id: "w1".into(),

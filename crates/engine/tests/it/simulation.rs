@@ -55,6 +55,7 @@ use anima_projections::memory::MemoryConfig;
 use anima_projections::proto::{self, envelope::Payload};
 use anima_projections::surface::SurfaceId;
 use anima_projections::verdict::{ClaimVerdict, RefusalKind, SendVerdict, Verdict};
+use anima_projections::wake::PlanEntry;
 use bytes::Bytes;
 use futures::StreamExt;
 use prost::Message;
@@ -962,16 +963,7 @@ impl Sim {
                             known.push(surface.clone());
                         }
                     }
-                    let plan = claimed
-                        .plan
-                        .iter()
-                        .map(|p| proto::PlanSurface {
-                            surface: p.surface.to_string(),
-                            expected_present: p.expected.is_some(),
-                            expected_ordinal: p.expected.unwrap_or(0),
-                            target_ordinal: p.target,
-                        })
-                        .collect();
+                    let plan = claimed.plan.iter().map(PlanEntry::to_plan_surface).collect();
                     self.held.insert(
                         agent,
                         Held {

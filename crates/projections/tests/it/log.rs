@@ -128,12 +128,7 @@ impl TestLog {
 
 /// The wire form of one plan entry, as a runtime hands it back.
 pub fn plan_surface(entry: &PlanEntry) -> proto::PlanSurface {
-    proto::PlanSurface {
-        surface: entry.surface.to_string(),
-        expected_present: entry.expected.is_some(),
-        expected_ordinal: entry.expected.unwrap_or(0),
-        target_ordinal: entry.target,
-    }
+    entry.to_plan_surface()
 }
 
 pub fn describe_cursor(cursor: Option<u64>) -> String {
