@@ -303,7 +303,12 @@ pub async fn answer_counts(
     width: TimeBucket,
 ) -> Result<(u64, u64, AnalyticsCounts), crate::replay::ReplayError> {
     if let Some(projection) = projection {
-        let (from, to) = replayer.resolve(range).await?;
+        let (from, mut to) = replayer.resolve(range).await?;
+        if range.to.is_none() {
+            // "Up to now" is what the fold has counted: a moment behind the log under load,
+            // never a wait for it (and never a refold because the fold was busy).
+            to = to.min(projection.applied_seq());
+        }
         if from > to || projection.wait_applied(to, COUNTED_WAIT).await.is_ok() {
             let answered = projection.analytics().counts(from, to, width, projection.applied_seq());
             if let Some(counts) = answered {
