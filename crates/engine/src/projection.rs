@@ -367,3 +367,25 @@ async fn write_checkpoint(
 ) -> Result<(), RunnerError> {
     checkpoints.write(stream_identity, changes, analytics).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Short messages are mostly fixed overhead: a cache bounded by bytes keeps no more of them
+    /// than their real size allows (it once counted text bytes only and held several times its
+    /// bound in memory).
+    #[test]
+    fn the_body_cache_counts_what_short_messages_really_take() {
+        let bytes_max = 1024 * 1024;
+        let mut cache = BodyCache { bytes_max, ..BodyCache::default() };
+        for seq in 0..100_000u64 {
+            let body = RowBody { text: "ok".into(), user_name: "U1".into(), files: vec![], previews: vec![] };
+            cache.insert(seq, body);
+        }
+        let real_floor = std::mem::size_of::<RowBody>() + 4;
+        assert!(cache.bytes <= bytes_max);
+        assert!(cache.bodies.len() * real_floor <= bytes_max, "{} bodies kept", cache.bodies.len());
+        assert!(cache.get(99_999).is_some() && cache.get(0).is_none(), "the newest stay, the oldest go");
+    }
+}

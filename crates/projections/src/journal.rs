@@ -91,9 +91,19 @@ impl RowBody {
         }
     }
 
-    /// Bytes of content, for cache accounting.
+    /// Bytes this body takes in memory, for cache accounting: its heap buffers and the fixed
+    /// part of it and of a cache entry, not only the text (with short messages the fixed part
+    /// is most of it, and a cache bounded by text bytes alone held several times its bound).
     pub fn size_bytes(&self) -> usize {
-        self.text.len() + self.user_name.len() + self.files.iter().map(|f| f.name.len() + 16).sum::<usize>()
+        use prost::Message;
+        /// A cache entry beyond the body: the `Arc`'s counts and the map's key and node share.
+        const CACHE_ENTRY_OVERHEAD_BYTES: usize = 64;
+        std::mem::size_of::<RowBody>()
+            + CACHE_ENTRY_OVERHEAD_BYTES
+            + self.text.capacity()
+            + self.user_name.capacity()
+            + self.files.iter().map(|f| std::mem::size_of::<proto::SlackFile>() + f.encoded_len()).sum::<usize>()
+            + self.previews.iter().map(|p| std::mem::size_of::<proto::LinkPreview>() + p.encoded_len()).sum::<usize>()
     }
 }
 
