@@ -243,27 +243,31 @@ impl api::wakes_server::Wakes for Services {
                 anima_engine::validate::echo(&agent)
             )));
         }
-        let engine = self.engine.clone();
-        let shutdown = self.shutdown.clone();
-        let mut applied = engine.projection().subscribe_applied();
-        // Signals on every change of (queued, claimable); the first one at once.
-        let stream = async_stream_signals(move |tx| async move {
-            let mut last: Option<(u32, bool)> = None;
+        let watch = WatchState {
+            applied: self.engine.projection().subscribe_applied(),
+            engine: self.engine.clone(),
+            agent,
+            shutdown: self.shutdown.clone(),
+            last: None,
+        };
+        // Signals on every change of (queued, claimable); the first one at once. The stream is
+        // the response itself (no task of its own): when the client goes away, tonic drops it
+        // and nothing is left waking on every fold batch.
+        let stream = futures::stream::unfold(watch, |mut watch| async move {
             loop {
-                let signal = wake_signal(&engine, &agent);
-                if last != Some((signal.queued, signal.claimable)) {
-                    last = Some((signal.queued, signal.claimable));
-                    if tx.send(Ok(signal)).await.is_err() {
-                        return;
-                    }
+                let signal = wake_signal(&watch.engine, &watch.agent);
+                let key = (signal.queued, signal.claimable);
+                if watch.last != Some(key) {
+                    watch.last = Some(key);
+                    return Some((Ok(signal), watch));
                 }
                 tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    changed = applied.changed() => if changed.is_err() { return },
+                    _ = watch.shutdown.cancelled() => return None,
+                    changed = watch.applied.changed() => if changed.is_err() { return None },
                 }
             }
         });
-        Ok(Response::new(stream))
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn heartbeat(
@@ -457,20 +461,14 @@ impl api::sends_server::Sends for Services {
     }
 }
 
-/// Signals buffered per Watch stream; a slow client only ever needs the newest.
-const WATCH_BUFFER_MAX: usize = 16;
-
-/// A response stream fed by a task that owns its sender; the task ends when the client goes
-/// away or the producer returns.
-fn async_stream_signals<T, F, Fut>(producer: F) -> ResponseStream<T>
-where
-    T: Send + 'static,
-    F: FnOnce(tokio::sync::mpsc::Sender<Result<T, Status>>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER_MAX);
-    tokio::spawn(producer(tx));
-    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+/// What one `Wakes.Watch` stream carries from signal to signal.
+struct WatchState {
+    applied: tokio::sync::watch::Receiver<u64>,
+    engine: Engine,
+    agent: String,
+    shutdown: tokio_util::sync::CancellationToken,
+    /// The (queued, claimable) pair last signalled.
+    last: Option<(u32, bool)>,
 }
 
 #[tonic::async_trait]
