@@ -52,6 +52,11 @@ async fn direct_reads_answer_like_the_api(backend: Backend) {
     let explanation = &through_api[3];
     assert!(explanation.contains("held"), "explain names the verdict:\n{explanation}");
     assert!(explanation.contains("U1"), "explain names the foreign row's author:\n{explanation}");
+    // The verdict is the fold's structure as JSON, not Rust's debug text.
+    let verdict = explanation.lines().find_map(|l| l.strip_prefix("verdict: ")).expect("a verdict line");
+    let verdict: serde_json::Value = serde_json::from_str(verdict).expect("the verdict line is JSON");
+    assert!(verdict["Send"]["Held"].is_object(), "{verdict}");
+    assert!(!through_api[2].contains("Subscription {"), "state shows no debug text:\n{}", through_api[2]);
     // Only a running server can compare with its live verdict; the rest must be the same.
     assert!(explanation.contains("live instance's verdict: same"), "{explanation}");
     let through_api: Vec<String> = through_api

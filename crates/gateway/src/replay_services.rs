@@ -130,7 +130,7 @@ pub fn replay_event(event: ReplayedEvent) -> api::ReplayReadResponse {
         stored: event.record.payload.to_vec(),
         event: decoded,
         outcome: event.verdict.as_ref().map(|v| outcome(&RedactedOutcome::of(v))),
-        verdict: event.verdict.map(|v| format!("{v:?}")).unwrap_or_default(),
+        verdict: event.verdict.as_ref().map(verdict_json).unwrap_or_default(),
     }
 }
 
@@ -314,7 +314,7 @@ pub fn state_at_response(
             subscriptions: state
                 .subscriptions_of(agent)
                 .into_iter()
-                .map(|(surface, subscription)| format!("{surface}: {subscription:?}"))
+                .map(|(surface, subscription)| format!("{surface}: {}", json(subscription)))
                 .collect(),
             memory_gate: describe_memory_gate(&state.memory_gate(agent)),
         }
@@ -373,7 +373,7 @@ pub fn explain_response(explanation: Explanation) -> api::ReplayExplainResponse 
         log_time_ns: record.timestamp_ns,
         event_type,
         outcome: verdict.as_ref().map(|v| outcome(&RedactedOutcome::of(v))),
-        verdict: verdict.as_ref().map(|v| format!("{v:?}")).unwrap_or_default(),
+        verdict: verdict.as_ref().map(verdict_json).unwrap_or_default(),
         facts,
         ..Default::default()
     };
@@ -399,6 +399,18 @@ pub async fn state_at(
     let agent = (!request.agent_id.is_empty()).then_some(request.agent_id);
     let rebuilt = replayer.rebuild(at).await.map_err(replay_status)?;
     Ok(state_at_response(&rebuilt, agent.as_deref(), surface.as_ref()))
+}
+
+/// A recorded verdict as JSON: the fold's own structure, readable by scripts and people, never
+/// Rust's debug text.
+fn verdict_json(verdict: &anima_projections::verdict::Verdict) -> String {
+    json(verdict)
+}
+
+/// A projection value as compact JSON (they all derive `Serialize`; encoding cannot fail for
+/// them, and an empty string says so if it ever did).
+fn json(value: &impl serde::Serialize) -> String {
+    serde_json::to_string(value).unwrap_or_default()
 }
 
 /// `Counts` against a replayer, answered from the maintained counters of `projection` when they
