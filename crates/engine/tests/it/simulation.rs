@@ -369,7 +369,8 @@ struct Sim {
     dir: tempfile::TempDir,
     clock: Arc<ManualClock>,
     log: Option<Arc<dyn EventLog>>,
-    db: Option<sled::Db>,
+    /// Each node's own sled database (its checkpoints).
+    node_dbs: Vec<Option<sled::Db>>,
     nodes: Vec<Option<Node>>,
     held: BTreeMap<usize, Held>,
     workers_started: u64,
@@ -462,12 +463,13 @@ impl Sim {
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let clock = Arc::new(ManualClock::new(scenario.start_ns));
         let nodes = (0..scenario.nodes).map(|_| None).collect();
+        let node_dbs = (0..scenario.nodes).map(|_| None).collect();
         let mut sim = Sim {
             scenario,
             dir,
             clock,
             log: None,
-            db: None,
+            node_dbs,
             nodes,
             held: BTreeMap::new(),
             workers_started: 0,
@@ -515,17 +517,18 @@ impl Sim {
         self.log.clone().expect("the log is open between steps")
     }
 
-    /// Opens sled (waiting for the lock a dropped handle still holds), the log and every node.
-    async fn start_process(&mut self) -> SimResult<()> {
+    /// Opens the sled database in `name` under the data dir, waiting for the lock a dropped
+    /// handle still holds.
+    fn open_db(&self, name: &str) -> SimResult<sled::Db> {
         // Closed means closed: wait until sled let go of the directory (the last handles were
         // dropped by the crash), then open; the retry below stays as a counted fallback.
-        anima_engine::data_dir::wait_until_released(self.dir.path(), LOCK_WAIT)
-            .map_err(|e| format!("waiting for the data dir: {e}"))?;
+        anima_engine::data_dir::wait_until_released(&self.dir.path().join(name), LOCK_WAIT)
+            .map_err(|e| format!("waiting for {name}: {e}"))?;
         let deadline = Instant::now() + LOCK_WAIT;
-        let db = loop {
+        loop {
             // A small page cache: the default is 1 GiB.
-            match sled::Config::new().path(self.dir.path()).cache_capacity(4 * 1024 * 1024).open() {
-                Ok(db) => break db,
+            match sled::Config::new().path(self.dir.path().join(name)).cache_capacity(2 * 1024 * 1024).open() {
+                Ok(db) => return Ok(db),
                 Err(e) if Instant::now() < deadline && e.to_string().contains("lock") => {
                     // sled's flusher thread lets go of the directory lock a moment after the
                     // last handle drops; there is no event to wait on until the log gets an
@@ -533,13 +536,19 @@ impl Sim {
                     LOCK_RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     std::thread::sleep(Duration::from_millis(2));
                 }
-                Err(e) => return Err(format!("reopening the data dir: {e}")),
+                Err(e) => return Err(format!("reopening {name}: {e}")),
             }
-        };
+        }
+    }
+
+    /// Opens the log and starts every node. Node 0 is the process that holds the embedded log:
+    /// its checkpoints live in the log's data dir, as with `Instance::start`.
+    async fn start_process(&mut self) -> SimResult<()> {
+        let db = self.open_db("node-0")?;
+        self.node_dbs[0] = Some(db.clone());
         let config = EmbeddedConfig { clock: self.clock.clone(), ..EmbeddedConfig::default() };
         let log: Arc<dyn EventLog> =
-            Arc::new(EmbeddedLog::open(db.clone(), config).map_err(|e| format!("opening the log: {e}"))?);
-        self.db = Some(db);
+            Arc::new(EmbeddedLog::open(db, config).map_err(|e| format!("opening the log: {e}"))?);
         self.log = Some(log);
         for node in 0..self.nodes.len() {
             self.start_node(node).await?;
@@ -547,10 +556,23 @@ impl Sim {
         Ok(())
     }
 
+    /// Starts a node from its own data dir (its checkpoints). A node's sled database is its
+    /// own, as a process's data dir is: reopening it after a crash waits until every handle of
+    /// the dead node is gone, a checkpoint write it left in flight included.
+    /// `CheckpointStore::write` runs on the blocking pool and finishes even when its caller was
+    /// aborted: a runner restarted in-process on the same open database can have that late write
+    /// land after its own and tear the checkpoint (seen here before nodes got their own
+    /// databases: a restarted node's state differed from a rebuild).
     async fn start_node(&mut self, node: usize) -> SimResult<()> {
-        let db = self.db.clone().expect("open");
-        let checkpoints =
-            CheckpointStore::open(db, &format!("checkpoint-{node}")).map_err(|e| format!("checkpoints: {e}"))?;
+        let db = match &self.node_dbs[node] {
+            Some(db) => db.clone(),
+            None => {
+                let db = self.open_db(&format!("node-{node}"))?;
+                self.node_dbs[node] = Some(db.clone());
+                db
+            }
+        };
+        let checkpoints = CheckpointStore::open(db, "checkpoint").map_err(|e| format!("checkpoints: {e}"))?;
         let runner_config = RunnerConfig {
             checkpoint_every_events: self.scenario.checkpoint_every_events,
             // Checkpoints follow the event count, not the wall clock.
@@ -572,8 +594,8 @@ impl Sim {
     }
 
     fn checkpoint_tree(&self, node: usize) -> SimResult<sled::Tree> {
-        let db = self.db.as_ref().expect("open");
-        db.open_tree(format!("checkpoint-{node}")).map_err(|e| format!("checkpoint tree: {e}"))
+        let db = self.node_dbs[node].as_ref().expect("open");
+        db.open_tree("checkpoint").map_err(|e| format!("checkpoint tree: {e}"))
     }
 
     /// Remembers the meta entries of each node's two newest checkpoints, for tearing.
@@ -596,6 +618,9 @@ impl Sim {
             drop(killed.shutdown);
             drop(killed.engine);
         }
+        if node > 0 {
+            self.node_dbs[node] = None;
+        }
     }
 
     async fn kill_process(&mut self) {
@@ -603,7 +628,7 @@ impl Sim {
             self.kill_node(node).await;
         }
         self.log = None;
-        self.db = None;
+        self.node_dbs.iter_mut().for_each(|db| *db = None);
         // Heartbeat rate limits lived in the dead engines.
         self.heartbeats_appended.clear();
     }
@@ -621,7 +646,7 @@ impl Sim {
             }
         }
         self.log = None;
-        self.db = None;
+        self.node_dbs.iter_mut().for_each(|db| *db = None);
         Ok(())
     }
 
@@ -651,13 +676,15 @@ impl Sim {
         for (n, node) in self.nodes.iter().enumerate() {
             let node = node.as_ref().expect("running");
             let applied = node.engine.projection().applied_seq();
-            let live = node.engine.projection().state().canonical_bytes();
+            let state = node.engine.projection().state();
+            let live = state.canonical_bytes();
             if applied == rebuilt.seq && live != expected {
                 return Err(format!(
-                    "node {n}'s live state ({} bytes) differs from a rebuild of the log ({} bytes) at seq {}",
+                    "node {n}'s live state ({} bytes) differs from a rebuild of the log ({} bytes) at seq {}; {}",
                     live.len(),
                     expected.len(),
-                    rebuilt.seq
+                    rebuilt.seq,
+                    differing_tables(&state, &rebuilt.state)
                 ));
             }
         }
@@ -870,6 +897,12 @@ impl Sim {
                     .await
                     .map_err(|e| engine_error("memory tick", e))?;
             }
+            // Node 0 holds the log: its crash is the process's.
+            Step::CrashNode { node: 0 } | Step::CrashAll => {
+                self.model.exercised.crashes += 1;
+                self.kill_process().await;
+                self.start_process().await?;
+            }
             Step::CrashNode { node } => {
                 self.model.exercised.crashes += 1;
                 self.kill_node(*node).await;
@@ -878,7 +911,12 @@ impl Sim {
             }
             Step::TornCheckpoint { node } => {
                 self.model.exercised.crashes += 1;
-                self.kill_node(*node).await;
+                // The runner dies; its database stays open to be torn (a late write of the dead
+                // runner may land too: this step corrupts the checkpoint anyway).
+                if let Some(killed) = self.nodes[*node].take() {
+                    killed.runner.abort();
+                    let _ = killed.runner.await;
+                }
                 self.heartbeats_appended.retain(|(n, _, _), _| n != node);
                 if let Some((Some(older), _)) = self.checkpoint_metas.get(node) {
                     let tree = self.checkpoint_tree(*node)?;
@@ -886,11 +924,6 @@ impl Sim {
                     tree.flush().map_err(|e| format!("tearing: {e}"))?;
                 }
                 self.start_node(*node).await?;
-            }
-            Step::CrashAll => {
-                self.model.exercised.crashes += 1;
-                self.kill_process().await;
-                self.start_process().await?;
             }
             Step::CrashDuringSend { agent } => self.crash_during_send(*agent).await?,
             Step::CrashDuringIngest { channel } => {
@@ -1307,6 +1340,56 @@ impl Sim {
         }
         Ok(())
     }
+}
+
+/// Which tables of two states differ, with the first differing entry of each (for a report that
+/// points at the cause).
+fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections::State) -> String {
+    let mut out = Vec::new();
+    if live.meta != rebuilt.meta {
+        out.push(format!("meta: live {:?}, rebuilt {:?}", live.meta, rebuilt.meta));
+    }
+    macro_rules! tables {
+        ($($field:ident),*) => {$(
+            if live.$field != rebuilt.$field {
+                let first = live.$field.iter().zip(rebuilt.$field.iter()).find(|(a, b)| a != b);
+                out.push(format!(
+                    "{} ({} live vs {} rebuilt entries; first difference {first:?})",
+                    stringify!($field),
+                    live.$field.len(),
+                    rebuilt.$field.len()
+                ));
+            }
+        )*};
+    }
+    tables!(
+        agents,
+        slack_identities,
+        journals,
+        identities,
+        identity_order,
+        cursors,
+        queues,
+        verdicts,
+        subscriptions,
+        chat_identities,
+        chat_kinds,
+        linear_receipts,
+        linear_receipt_order,
+        linear_responses,
+        linear_activities,
+        linear_response_order,
+        memory_config,
+        memory_gates,
+        memory_open
+    );
+    if live.settled != rebuilt.settled {
+        out.push(format!("settled ({} live vs {} rebuilt)", live.settled.len(), rebuilt.settled.len()));
+    }
+    if live.surfaces != rebuilt.surfaces || live.agent_keys != rebuilt.agent_keys {
+        out.push("interned keys".to_owned());
+    }
+    format!("differing: {}", out.join("; "))
 }
 
 // ---------------------------------------------------------------------------------------------
