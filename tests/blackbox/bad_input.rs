@@ -93,4 +93,15 @@ fn configurations_that_would_be_silently_wrong_stop_start_up_naming_the_key() {
         "{stderr}"
     );
     assert!(!stderr.contains("unavailable"), "a typo is not an outage: {stderr}");
+
+    let (ok, _, stderr) = Server::run_tool(&[
+        "replay",
+        "--nats",
+        "nats://127.0.0.1:4222,nats://127.0.0.1:99999",
+        "timeline",
+        "--agent",
+        "ada",
+    ]);
+    assert!(!ok, "replay with a bad server list fails");
+    assert!(stderr.contains("--nats (ANIMA_NATS): \"nats://127.0.0.1:99999\" is not a NATS server URL"), "{stderr}");
 }

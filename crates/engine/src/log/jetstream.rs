@@ -261,12 +261,12 @@ impl JetStreamConfig {
 /// The JetStream log. Cheap to share behind an `Arc`; every operation is independent.
 pub struct JetStreamLog {
     client: async_nats::Client,
+    /// The publishing context: its timeout is the ack timeout.
     context: jetstream::Context,
     stream: jetstream::stream::Stream,
     stream_name: String,
     identity: String,
     ack_window: usize,
-    ack_timeout: Duration,
     /// Whether the stream allows direct gets; if not, `get` asks the leader.
     allow_direct: bool,
     read_stall_timeout: Duration,
@@ -288,13 +288,17 @@ impl JetStreamLog {
     pub async fn connect(config: JetStreamConfig) -> LogResult<Self> {
         config.validate()?;
         let client = connect_client(&config, "anima-engine").await?;
+        // Two contexts on one connection: API requests (stream info, consumers, gets) wait up to
+        // `request_timeout`; publishes go through their own, whose timeout is the ack timeout
+        // (async-nats bounds each ack by its context's timeout, so this costs no timer of ours).
+        let api_context = jetstream::ContextBuilder::new().timeout(config.request_timeout).build(client.clone());
         let context = jetstream::ContextBuilder::new()
-            .timeout(config.request_timeout)
+            .timeout(config.ack_timeout.min(config.request_timeout))
             .max_ack_inflight(config.ack_window.saturating_mul(ACK_INFLIGHT_PER_CONNECTION_FACTOR))
             .backpressure_on_inflight(true)
             .build(client.clone());
 
-        let stream = open_stream(&context, &config).await?;
+        let stream = open_stream(&api_context, &config).await?;
         let info = stream.cached_info();
         let problems = incompatibilities(&info.config, &config);
         if !problems.is_empty() {
@@ -330,8 +334,6 @@ impl JetStreamLog {
             stream,
             identity,
             ack_window: config.ack_window,
-            // The client's own ack timeout is `request_timeout`: past it, ours cannot fire.
-            ack_timeout: config.ack_timeout.min(config.request_timeout),
             allow_direct,
             read_stall_timeout: config.request_timeout.saturating_mul(3).max(READ_STALL_MIN),
         })
@@ -341,14 +343,6 @@ impl JetStreamLog {
     /// operators' logs and failover tests.
     pub fn connected_server(&self) -> String {
         self.client.server_info().server_name
-    }
-
-    /// Awaits an ack for at most `ack_timeout`; a missing ack reads like the client's own timeout.
-    async fn ack(&self, ack: PublishAckFuture) -> Result<PublishAck, PublishError> {
-        match tokio::time::timeout(self.ack_timeout, ack).await {
-            Ok(ack) => ack,
-            Err(_) => Err(PublishError::new(PublishErrorKind::TimedOut)),
-        }
     }
 
     /// Publishes one record; the returned future resolves to its ack. Every message carries its
@@ -415,7 +409,7 @@ impl EventLog for JetStreamLog {
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
         validate_record(&record)?;
         let ack = self.publish(&record).await?;
-        self.outcome(self.ack(ack).await)
+        self.outcome(ack.await)
     }
 
     async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
@@ -448,7 +442,7 @@ impl EventLog for JetStreamLog {
                     }
                 },
             };
-            in_flight.push(async move { (index, self.ack(ack).await) });
+            in_flight.push(async move { (index, ack.await) });
         }
         while let Some((acked, ack)) = in_flight.next().await {
             outcomes[acked] = Some(self.outcome(ack)?);
