@@ -326,6 +326,9 @@ async fn maintained_counts_equal_a_refold_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let instance = start_instance(dir.path()).await;
     incident(instance.engine.log().as_ref()).await;
+    // "Up to now" is what the fold has counted; once it has applied the whole incident, that is
+    // the whole log.
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
     let replayer = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
     let everything = LogRange::default();
     let refolded = replayer.counts(everything, TimeBucket::Day).await.unwrap();
