@@ -19,7 +19,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use anima_projections::redact::{
-    AnalyticsCounts, BucketCounts, Figures, RedactedOutcome, Redactor, TimeBucket, TypeCounts, ANALYTICS_BUCKETS_MAX,
+    AnalyticsCounts, BucketCounts, Figures, RedactedEvent, RedactedOutcome, Redactor, TimeBucket, TypeCounts,
+    ANALYTICS_BUCKETS_MAX,
 };
 use anima_projections::verdict::Verdict;
 use serde::{Deserialize, Serialize};
@@ -54,7 +55,14 @@ pub struct MaintainedAnalytics {
 impl MaintainedAnalytics {
     /// Counts one event the fold has just applied, with the verdict it recorded (if any).
     pub fn observe(&mut self, seq: u64, log_time_ns: i64, subject: &str, payload: &[u8], verdict: Option<&Verdict>) {
-        let mut event = Redactor::schema().redact(seq, log_time_ns, subject, payload);
+        let event = Redactor::schema().redact(seq, log_time_ns, subject, payload);
+        self.observe_redacted(event, verdict);
+    }
+
+    /// Counts one event already redacted (the runner redacts a batch before it takes the state
+    /// lock: the redaction is a reflection decode that needs no state), with its verdict.
+    pub fn observe_redacted(&mut self, mut event: RedactedEvent, verdict: Option<&Verdict>) {
+        let (seq, log_time_ns) = (event.seq, event.log_time_ns);
         event.outcome = verdict.map(RedactedOutcome::of);
         let minute = TimeBucket::Minute.start_ns(log_time_ns);
         let start = match self.buckets.last_key_value() {

@@ -319,10 +319,14 @@ async fn follow_and_apply(
 
 fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
+    // Redacting needs no state: done before the lock, so requests reading state never wait on it.
+    let redactor = anima_projections::redact::Redactor::schema();
+    let redacted: Vec<_> =
+        batch.iter().map(|r| redactor.redact(r.seq, r.timestamp_ns, &r.subject, &r.payload)).collect();
     let last = {
         let mut state = projection.state();
         let mut analytics = projection.analytics();
-        for record in batch {
+        for (record, event) in batch.iter().zip(redacted) {
             let at = LogPosition { seq: record.seq, at_ns: record.timestamp_ns };
             match proto::Envelope::decode(record.payload.as_ref()) {
                 Ok(envelope) => {
@@ -333,8 +337,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 }
                 Err(_) => state.apply_bytes(at, record.payload.as_ref()),
             }
-            let verdict = state.verdict(record.seq);
-            analytics.observe(record.seq, record.timestamp_ns, &record.subject, &record.payload, verdict);
+            analytics.observe_redacted(event, state.verdict(record.seq));
         }
         batch.last().map(|r| r.seq)
     };

@@ -156,6 +156,14 @@ pub enum SupervisionError {
     TaskEnded { task: &'static str, reason: String },
 }
 
+/// The end of a supervised task, or never when there is none (already joined, or not run).
+async fn joined<T>(task: Option<&mut tokio::task::JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
+    match task {
+        Some(task) => task.await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The reason a supervised task gave for ending.
 fn ended(task: &'static str, joined: Result<(), tokio::task::JoinError>) -> SupervisionError {
     let reason = match joined {
@@ -205,24 +213,9 @@ impl RunningServer {
     /// an error so the process exits non-zero and an orchestrator restarts it.
     pub async fn run_until(mut self, signal: impl std::future::Future<Output = ()>) -> anyhow::Result<()> {
         let failure = {
-            let runner = async {
-                match self.runner.as_mut() {
-                    Some(runner) => runner.await,
-                    None => std::future::pending().await,
-                }
-            };
-            let recovery = async {
-                match self.recovery.as_mut() {
-                    Some(recovery) => recovery.await,
-                    None => std::future::pending().await,
-                }
-            };
-            let scheduler = async {
-                match self.scheduler.as_mut() {
-                    Some(scheduler) => scheduler.await,
-                    None => std::future::pending().await,
-                }
-            };
+            let runner = joined(self.runner.as_mut());
+            let recovery = joined(self.recovery.as_mut());
+            let scheduler = joined(self.scheduler.as_mut());
             tokio::select! {
                 _ = signal => None,
                 joined = runner => Some(("runner", match joined {
