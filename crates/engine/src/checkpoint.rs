@@ -78,12 +78,16 @@ impl CheckpointStore {
             if version_ok && stream_ok {
                 let mut state = State::new();
                 let mut intact = true;
-                for entry in tree.scan_prefix([STATE_PREFIX]) {
-                    let (key, value) = entry?;
-                    if let Err(e) = state.load_entry(&key[1..], &value) {
-                        tracing::warn!(error = %e, "checkpoint entry does not decode; rebuilding from the log");
-                        intact = false;
-                        break;
+                // What is hot comes into memory; the cold tables' entries stay in the store and
+                // are read back when a decision needs them, so restart does not grow with them.
+                'tables: for tag in (0..=u8::MAX).filter(|tag| !State::is_cold_tag(*tag)) {
+                    for entry in tree.scan_prefix([STATE_PREFIX, tag]) {
+                        let (key, value) = entry?;
+                        if let Err(e) = state.load_entry(&key[1..], &value) {
+                            tracing::warn!(error = %e, "checkpoint entry does not decode; rebuilding from the log");
+                            intact = false;
+                            break 'tables;
+                        }
                     }
                 }
                 if intact {
@@ -187,6 +191,38 @@ impl CheckpointStore {
             }
             None => Ok(0),
         }
+    }
+}
+
+/// The checkpoint's state entries as the fold's cold store: entries let go of to keep memory under
+/// the budget are read back from here (see `anima_projections::cold`). Reads are synchronous
+/// (sled's page cache, else the file) and come only from the fold.
+pub struct SledCold {
+    tree: sled::Tree,
+}
+
+impl SledCold {
+    pub fn new(store: &CheckpointStore) -> Self {
+        SledCold { tree: store.tree.clone() }
+    }
+}
+
+impl anima_projections::cold::ColdStore for SledCold {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
+        let mut full = Vec::with_capacity(key.len() + 1);
+        full.push(STATE_PREFIX);
+        full.extend_from_slice(key);
+        self.tree.get(full).map(|value| value.map(|v| v.to_vec())).map_err(|e| e.to_string())
+    }
+
+    fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
+        let mut full = Vec::with_capacity(prefix.len() + 1);
+        full.push(STATE_PREFIX);
+        full.extend_from_slice(prefix);
+        self.tree
+            .scan_prefix(full)
+            .map(|entry| entry.map(|(k, v)| (k[1..].to_vec(), v.to_vec())).map_err(|e| e.to_string()))
+            .collect()
     }
 }
 

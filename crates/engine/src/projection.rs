@@ -19,8 +19,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::analytics::MaintainedAnalytics;
-use crate::checkpoint::CheckpointStore;
+use crate::checkpoint::{CheckpointStore, SledCold};
 use crate::log::{EventLog, LogError, StoredRecord};
+use anima_projections::cold::Cold;
 
 /// Tuning of the runner. Every bound has a unit in its name.
 #[derive(Clone, Debug)]
@@ -33,6 +34,11 @@ pub struct RunnerConfig {
     pub body_cache_bytes_max: usize,
     /// Events applied under one lock of the state.
     pub apply_batch_events_max: usize,
+    /// Memory the fold's state may take, by its own estimate. Beyond it, clean entries of the
+    /// cold tables (journal rows, message identities) leave memory once a checkpoint holds them,
+    /// and are read back from the checkpoint when a decision needs them. 0: let go of every
+    /// clean entry at every chance (tests use it to prove verdicts do not depend on memory).
+    pub state_bytes_max: usize,
 }
 
 impl Default for RunnerConfig {
@@ -42,6 +48,7 @@ impl Default for RunnerConfig {
             checkpoint_interval: Duration::from_secs(5),
             body_cache_bytes_max: 64 * 1024 * 1024,
             apply_batch_events_max: 4_096,
+            state_bytes_max: 576 * 1024 * 1024,
         }
     }
 }
@@ -204,7 +211,9 @@ impl Runner {
         shutdown: CancellationToken,
     ) -> Result<Runner, RunnerError> {
         let stream_identity = log.identity();
-        let state = checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        let mut state =
+            checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
+        state.attach_cold(Cold::new(Arc::new(SledCold::new(&checkpoints))));
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
@@ -305,6 +314,11 @@ async fn follow_and_apply(
             *writing = None;
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
         }
+        if writing.is_none() {
+            // No write in flight: the checkpoint holds every clean entry's latest value, so
+            // those may leave memory now (and only now).
+            evict_over_budget(projection, config.state_bytes_max);
+        }
         if due && writing.is_none() {
             let changes = drain_changes(projection);
             let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.to_owned());
@@ -315,6 +329,23 @@ async fn follow_and_apply(
         }
     }
     Ok(())
+}
+
+/// Cold entries let go of in one round at most, to keep the state lock short.
+const EVICTED_PER_ROUND_MAX: usize = 16_384;
+
+/// Lets cold entries leave memory while the state's estimate is over `state_bytes_max`.
+fn evict_over_budget(projection: &Projection, state_bytes_max: usize) {
+    let mut state = projection.state();
+    let estimate = state.memory_estimate_bytes();
+    if estimate <= state_bytes_max && state_bytes_max > 0 {
+        return;
+    }
+    let over_entries = (estimate - state_bytes_max.min(estimate)) / anima_projections::state::COLD_ENTRY_BYTES + 1;
+    let let_go = state.evict_cold(over_entries.min(EVICTED_PER_ROUND_MAX));
+    if let_go > 0 {
+        tracing::debug!(let_go, estimate, state_bytes_max, "cold state entries left memory");
+    }
 }
 
 fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {

@@ -825,7 +825,7 @@ pub fn cursor_facts(state: &State, agent: &str, surface: &SurfaceId) -> CursorFa
     let journal = state.journal(surface);
     let tail = journal.map_or(0, |j| j.tail);
     let rows_after_cursor: Vec<RowMeta> = match (journal, cursor) {
-        (Some(journal), Some(at)) => journal.recent.iter().filter(|row| row.ordinal > at).cloned().collect(),
+        (Some(_), Some(at)) => state.recent_rows(surface).into_iter().filter(|row| row.ordinal > at).collect(),
         _ => Vec::new(),
     };
     let foreign = rows_after_cursor.iter().filter(|row| !row.is_own(agent)).count() as u64;

@@ -184,6 +184,20 @@ pub struct RunnerSettings {
     /// the log.
     #[serde(default = "default_body_cache_mib")]
     pub body_cache_mib: u64,
+    /// The one bound on what the engine keeps in memory, MiB: sled's cache, the body cache and
+    /// the fold's state together, with a quarter left for everything else (requests, buffers,
+    /// the allocator's slack). The fold's state gets what the two caches leave of the other
+    /// three quarters; beyond it, journal rows and message identities of idle surfaces leave
+    /// memory and are read back from the checkpoint when needed.
+    #[serde(default = "default_memory_budget_mib")]
+    pub memory_budget_mib: u64,
+}
+
+impl RunnerSettings {
+    /// What the fold's state may take, bytes (see `memory_budget_mib`).
+    pub fn state_bytes_max(&self) -> u64 {
+        (self.memory_budget_mib * 3 / 4).saturating_sub(self.sled_cache_mib + self.body_cache_mib) * 1024 * 1024
+    }
 }
 
 impl Default for RunnerSettings {
@@ -194,6 +208,7 @@ impl Default for RunnerSettings {
             verdict_wait_ms: default_verdict_wait_ms(),
             sled_cache_mib: default_sled_cache_mib(),
             body_cache_mib: default_body_cache_mib(),
+            memory_budget_mib: default_memory_budget_mib(),
         }
     }
 }
@@ -236,6 +251,9 @@ fn default_sled_cache_mib() -> u64 {
 }
 fn default_body_cache_mib() -> u64 {
     64
+}
+fn default_memory_budget_mib() -> u64 {
+    1024
 }
 
 fn default_listen() -> SocketAddr {
@@ -280,11 +298,20 @@ impl Config {
             ("wakes.recovery_tick_seconds", self.wakes.recovery_tick_seconds, 1, RECOVERY_TICK_SECONDS_MAX),
             ("runner.sled_cache_mib", self.runner.sled_cache_mib, 1, CACHE_MIB_MAX),
             ("runner.body_cache_mib", self.runner.body_cache_mib, 1, CACHE_MIB_MAX),
+            ("runner.memory_budget_mib", self.runner.memory_budget_mib, 64, CACHE_MIB_MAX),
         ];
         for (key, value, min, max) in bounded {
             if !(min..=max).contains(&value) {
                 bail!("{key}: expected {min}..={max}, got {value}");
             }
+        }
+        let caches = self.runner.sled_cache_mib + self.runner.body_cache_mib;
+        if caches * 2 > self.runner.memory_budget_mib {
+            bail!(
+                "runner.memory_budget_mib: {} MiB leaves too little for the fold's state beside \
+                 sled_cache_mib + body_cache_mib = {caches} MiB (the caches may take at most half)",
+                self.runner.memory_budget_mib
+            );
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {

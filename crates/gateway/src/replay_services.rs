@@ -337,7 +337,7 @@ pub fn state_at_response(
                     tail: tail_of(on),
                 })
                 .collect(),
-            recent_rows: journal.map(|j| j.recent.iter().map(|r| row(r, None)).collect()).unwrap_or_default(),
+            recent_rows: state.recent_rows(surface).iter().map(|r| row(r, None)).collect(),
         }
     });
     api::ReplayStateAtResponse {

@@ -201,7 +201,7 @@ impl State {
             SurfaceId::Memory { .. } => return refused(RefusalKind::InvalidArgument, "target is not a conversation"),
         };
         let surface_key = self.surfaces.intern(&surface);
-        let existing = self.identities.get(&(surface_key, confirmation.ts.clone())).copied();
+        let existing = self.identity_ordinal(surface_key, &confirmation.ts);
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
@@ -213,7 +213,7 @@ impl State {
                 let ordinal = self.journal_tail(surface_key) + 1;
                 let row =
                     row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), &body);
-                self.journal_row(surface_key, row);
+                self.journal_new_row(surface_key, row);
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
                 }
@@ -299,11 +299,11 @@ impl State {
             identity,
         } = incoming;
         let surface_key = self.surfaces.intern(&surface);
-        let existing = self.identities.get(&(surface_key, id.to_owned())).copied();
+        let existing = self.identity_ordinal(surface_key, id);
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
         let row = row_meta(at, ordinal, id, ts_seconds, user_id, bot_id, owner, &body);
         if existing.is_none() {
-            self.journal_row(surface_key, row.clone());
+            self.journal_new_row(surface_key, row.clone());
         }
         let mut wake = None;
         let mut route = None;
@@ -370,18 +370,26 @@ impl State {
         self.journals.get(&surface).map_or(0, |j| j.tail)
     }
 
+    /// The ordinal a message identity was journaled at, if it is in the surface's dedupe window.
+    fn identity_ordinal(&mut self, surface: SurfaceKey, ts: &str) -> Option<u64> {
+        let key = (surface, ts.to_owned());
+        self.identities.ensure(crate::state::IDENTITIES_TAG, &key, &self.cold);
+        self.identities.get(&key).copied()
+    }
+
     /// Appends a new row and remembers its identity, forgetting the surface's oldest one beyond
     /// the dedupe window.
-    fn journal_row(&mut self, surface: SurfaceKey, row: RowMeta) {
+    fn journal_new_row(&mut self, surface: SurfaceKey, row: RowMeta) {
         let ordinal = row.ordinal;
         let ts = row.ts.clone();
-        self.journals.entry_or_default(surface).push(row);
+        self.push_row(surface, row);
         self.identities.insert((surface, ts.clone()), ordinal);
         self.identity_order.insert((surface, ordinal), ts);
         if ordinal > IDENTITIES_PER_SURFACE_MAX {
             let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
+            self.identity_order.ensure(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
             if let Some(old_ts) = self.identity_order.remove(&oldest) {
-                self.identities.remove(&(surface, old_ts));
+                self.identities.forget((surface, old_ts));
             }
         }
     }

@@ -3,11 +3,11 @@
 //! recent rows — not the bodies. Bodies ([`RowBody`]) come from the engine's bounded cache or from
 //! the log by sequence when something is rendered.
 
-use std::collections::VecDeque;
-
 use serde::{Deserialize, Serialize};
 
+use crate::intern::SurfaceKey;
 use crate::proto;
+use crate::surface::SurfaceId;
 
 /// Metadata of recent rows kept per surface. Held notices and wake texts show at most
 /// [`crate::render::ROWS_SHOWN_MAX`] rows, so a window of this size always holds the rows they
@@ -107,7 +107,9 @@ impl RowBody {
     }
 }
 
-/// One surface's journal.
+/// One surface's journal: its tail and who wrote its trailing run. Its rows are the state's
+/// `journal_rows` table, one checkpoint entry per row, so a new row writes one small entry; the
+/// rows of an idle surface may leave memory (see [`crate::cold`]), this header never does.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SurfaceJournal {
     /// Ordinal of the newest row (0: empty).
@@ -116,8 +118,6 @@ pub struct SurfaceJournal {
     /// answers "the newest row not written by agent A" exactly, whatever the window holds.
     pub trailing_owner: Option<String>,
     pub trailing_run_start: u64,
-    /// The newest rows, oldest first, at most [`RECENT_ROWS_MAX`].
-    pub recent: VecDeque<RowMeta>,
 }
 
 /// The rows a decision needed were no longer in the window: fail closed.
@@ -127,17 +127,13 @@ pub struct RowsMissing {
 }
 
 impl SurfaceJournal {
-    /// Appends the next row; `meta.ordinal` must be `tail + 1`.
-    pub fn push(&mut self, meta: RowMeta) {
+    /// Takes the next row into the header; `meta.ordinal` must be `tail + 1`.
+    fn push(&mut self, meta: &RowMeta) {
         debug_assert_eq!(meta.ordinal, self.tail + 1);
         self.tail = meta.ordinal;
         if meta.owner.is_none() || meta.owner != self.trailing_owner {
             self.trailing_owner = meta.owner.clone();
             self.trailing_run_start = meta.ordinal;
-        }
-        self.recent.push_back(meta);
-        while self.recent.len() > RECENT_ROWS_MAX {
-            self.recent.pop_front();
         }
     }
 
@@ -150,15 +146,66 @@ impl SurfaceJournal {
         }
     }
 
-    pub fn row(&self, ordinal: u64) -> Option<&RowMeta> {
-        let first = self.recent.front()?.ordinal;
-        let index = ordinal.checked_sub(first)?;
-        self.recent.get(usize::try_from(index).ok()?).filter(|r| r.ordinal == ordinal)
+    /// The oldest ordinal of the window of kept rows (`tail + 1` when empty).
+    pub fn window_first(&self) -> u64 {
+        if self.tail == 0 {
+            1
+        } else {
+            self.tail.saturating_sub(RECENT_ROWS_MAX as u64 - 1).max(1)
+        }
+    }
+}
+
+/// Checkpoint tag of `State::journal_rows`.
+pub(crate) const JOURNAL_ROWS_TAG: u8 = 26;
+
+impl crate::State {
+    /// Appends the next row of `surface`, forgetting the one that leaves the window.
+    pub(crate) fn push_row(&mut self, surface: SurfaceKey, row: RowMeta) {
+        self.journals.entry_or_default(surface).push(&row);
+        let ordinal = row.ordinal;
+        self.journal_rows.insert((surface, ordinal), row);
+        if ordinal > RECENT_ROWS_MAX as u64 {
+            self.journal_rows.forget((surface, ordinal - RECENT_ROWS_MAX as u64));
+        }
     }
 
-    /// Rows after `cursor`, newest first, as far as the window reaches.
-    pub fn newest_after(&self, cursor: u64) -> impl Iterator<Item = &RowMeta> {
-        self.recent.iter().rev().take_while(move |r| r.ordinal > cursor)
+    /// Brings the window's rows of `surface` after `cursor` into memory (see [`crate::cold`]);
+    /// a decision that reads rows calls this first.
+    pub(crate) fn ensure_rows_after(&mut self, surface: SurfaceKey, cursor: u64) {
+        let Some(journal) = self.journals.get(&surface) else { return };
+        let (first, tail) = (journal.window_first().max(cursor + 1), journal.tail);
+        for ordinal in first..=tail {
+            self.journal_rows.ensure(JOURNAL_ROWS_TAG, &(surface, ordinal), &self.cold);
+        }
+    }
+
+    /// Row `ordinal` of `surface` if it is in the window (ensured, or a complete state).
+    pub fn journal_row(&self, surface: SurfaceKey, ordinal: u64) -> Option<&RowMeta> {
+        let journal = self.journals.get(&surface)?;
+        if ordinal < journal.window_first() || ordinal > journal.tail {
+            return None;
+        }
+        self.journal_rows.get(&(surface, ordinal))
+    }
+
+    /// The window's rows of `surface` after `cursor`, newest first (ensured, or a complete state).
+    pub fn newest_rows_after(&self, surface: SurfaceKey, cursor: u64) -> impl Iterator<Item = &RowMeta> {
+        let (first, tail) = self.journals.get(&surface).map_or((1, 0), |j| (j.window_first(), j.tail));
+        (first.max(cursor.saturating_add(1))..=tail).rev().filter_map(move |ordinal| self.journal_row(surface, ordinal))
+    }
+
+    /// The window's rows of `surface`, oldest first, for tools reading a complete state (a
+    /// replay); rows that left memory are read from the store.
+    pub fn recent_rows(&self, surface: &SurfaceId) -> Vec<RowMeta> {
+        let Some(key) = self.surfaces.key(surface) else { return Vec::new() };
+        let Some(journal) = self.journals.get(&key) else { return Vec::new() };
+        (journal.window_first()..=journal.tail)
+            .filter_map(|ordinal| match self.journal_rows.is_complete() {
+                true => self.journal_rows.get(&(key, ordinal)).cloned(),
+                false => self.journal_rows.read_through(JOURNAL_ROWS_TAG, &(key, ordinal), &self.cold),
+            })
+            .collect()
     }
 }
 
@@ -184,23 +231,27 @@ mod tests {
 
     #[test]
     fn last_foreign_follows_the_trailing_run() {
-        let mut journal = SurfaceJournal::default();
-        assert_eq!(journal.last_foreign_ordinal("a"), 0);
-        journal.push(row(1, Some("a")));
-        assert_eq!(journal.last_foreign_ordinal("a"), 0);
-        assert_eq!(journal.last_foreign_ordinal("b"), 1);
-        journal.push(row(2, None));
-        journal.push(row(3, Some("a")));
-        journal.push(row(4, Some("a")));
-        assert_eq!(journal.last_foreign_ordinal("a"), 2);
-        journal.push(row(5, Some("b")));
-        assert_eq!(journal.last_foreign_ordinal("a"), 5);
-        assert_eq!(journal.last_foreign_ordinal("b"), 4);
+        let mut state = crate::State::new();
+        let surface =
+            state.surfaces.intern(&SurfaceId::Slack { team: "T1".into(), channel: "C1".into(), thread_ts: None });
+        let journal = |state: &crate::State| state.journals.get(&surface).cloned().unwrap_or_default();
+        assert_eq!(journal(&state).last_foreign_ordinal("a"), 0);
+        state.push_row(surface, row(1, Some("a")));
+        assert_eq!(journal(&state).last_foreign_ordinal("a"), 0);
+        assert_eq!(journal(&state).last_foreign_ordinal("b"), 1);
+        state.push_row(surface, row(2, None));
+        state.push_row(surface, row(3, Some("a")));
+        state.push_row(surface, row(4, Some("a")));
+        assert_eq!(journal(&state).last_foreign_ordinal("a"), 2);
+        state.push_row(surface, row(5, Some("b")));
+        assert_eq!(journal(&state).last_foreign_ordinal("a"), 5);
+        assert_eq!(journal(&state).last_foreign_ordinal("b"), 4);
         for n in 6..200 {
-            journal.push(row(n, None));
+            state.push_row(surface, row(n, None));
         }
-        assert_eq!(journal.recent.len(), RECENT_ROWS_MAX);
-        assert!(journal.row(5).is_none());
-        assert_eq!(journal.row(199).map(|r| r.ordinal), Some(199));
+        assert_eq!(state.journal_rows.resident_len(), RECENT_ROWS_MAX, "rows beyond the window are forgotten");
+        assert!(state.journal_row(surface, 5).is_none());
+        assert_eq!(state.journal_row(surface, 199).map(|r| r.ordinal), Some(199));
+        assert_eq!(state.newest_rows_after(surface, 197).map(|r| r.ordinal).collect::<Vec<_>>(), vec![199, 198]);
     }
 }

@@ -6,6 +6,7 @@
 //! event being folded. Folding the same events gives byte-identical state
 //! ([`state::State::canonical_bytes`]).
 
+pub mod cold;
 pub mod cursor;
 pub mod fold;
 pub mod intern;

@@ -59,17 +59,18 @@ impl State {
                 cursor_after: Some(advance.after),
             });
         }
+        self.ensure_rows_after(cursor_key.1, cursor);
         let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
         // Only foreign rows are new to the agent: its own rows after the cursor are neither
         // counted nor shown (the cursor passes them with the rest of the tail). Rows older than
         // the journal's window cannot be told apart any more and count as new.
-        let window_first = journal.recent.front().map_or(tail + 1, |row| row.ordinal);
+        let window_first = journal.window_first();
         let mut new_messages = window_first.saturating_sub(cursor + 1);
         let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());
         let mut shown = Vec::new();
         let mut showing = true;
         for ordinal in (cursor.max(window_first - 1) + 1..=tail).rev() {
-            let Some(row) = journal.row(ordinal) else {
+            let Some(row) = self.journal_row(cursor_key.1, ordinal) else {
                 return refused(
                     RefusalKind::FailedPrecondition,
                     format!("row {ordinal} of {surface} is missing from the journal window; refusing to decide"),

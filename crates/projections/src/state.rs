@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::cold::{Cold, ColdTable};
 use crate::intern::{AgentInterner, AgentKey, SurfaceInterner, SurfaceKey};
 use crate::journal::SurfaceJournal;
 use crate::linear::{LinearResponse, LinearResponseKey};
@@ -19,7 +20,7 @@ use crate::wake::{AgentQueue, SettledItems};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 10;
+pub const FOLD_VERSION: u32 = 11;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -75,11 +76,15 @@ pub struct State {
     pub surfaces: SurfaceInterner,
     /// Agents the fold wrote per-(agent, surface) state for, by interned key.
     pub agent_keys: AgentInterner,
+    /// Per-surface journal headers (tail, trailing run); never leave memory.
     pub journals: Table<SurfaceKey, SurfaceJournal>,
-    /// (surface, ts) → ordinal, the dedupe window of message identities.
-    pub identities: Table<(SurfaceKey, String), u64>,
-    /// (surface, ordinal) → ts, to evict the oldest identity of a surface.
-    pub identity_order: Table<(SurfaceKey, u64), String>,
+    /// (surface, ordinal) → the row's metadata, for the newest [`crate::journal::RECENT_ROWS_MAX`]
+    /// rows of each surface. Cold: rows of idle surfaces leave memory under the budget.
+    pub journal_rows: ColdTable<(SurfaceKey, u64), crate::journal::RowMeta>,
+    /// (surface, ts) → ordinal, the dedupe window of message identities. Cold.
+    pub identities: ColdTable<(SurfaceKey, String), u64>,
+    /// (surface, ordinal) → ts, to evict the oldest identity of a surface. Cold.
+    pub identity_order: ColdTable<(SurfaceKey, u64), String>,
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
@@ -114,7 +119,17 @@ pub struct State {
     pub memory_gates: Table<String, MemoryGate>,
     /// Pass id → the memory passes queued or running, fleet-wide: what `maxConcurrent` counts.
     pub memory_open: Table<String, OpenPass>,
+    /// Where entries of the cold tables that left memory are read back from.
+    pub cold: Cold,
 }
+
+/// What one entry of a cold table takes in memory, roughly (a row's metadata with its ids and
+/// the map node; an identity is smaller), for [`State::memory_estimate_bytes`].
+pub const COLD_ENTRY_BYTES: usize = 192;
+/// What one entry of any other table takes, roughly (queued wakes are counted per item).
+const HOT_ENTRY_BYTES: usize = 160;
+/// What one queued or active wake takes, roughly (its item, trigger row and surfaces).
+const QUEUED_WAKE_BYTES: usize = 640;
 
 /// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +142,7 @@ pub struct CheckpointDecodeError {
 const META_TAG: u8 = 0;
 
 macro_rules! state_tables {
-    ($($tag:literal => $field:ident),* $(,)?) => {
+    ($($tag:literal => $field:ident),* $(,)?; cold: $($ctag:ident => $cfield:ident),* $(,)?) => {
         impl State {
             /// Changed entries since the last call, as (key, value) bytes; `None` removes the key.
             /// The fold meta is always included.
@@ -136,6 +151,11 @@ macro_rules! state_tables {
                 $(
                     for (key, value) in self.$field.drain_changes() {
                         out.push((tagged($tag, &key), value.map(encode)));
+                    }
+                )*
+                $(
+                    for (key, value) in self.$cfield.drain_changes() {
+                        out.push((tagged($ctag, &key), value.map(encode)));
                     }
                 )*
                 out
@@ -151,6 +171,9 @@ macro_rules! state_tables {
                     META_TAG => self.meta = decode("meta", value)?,
                     $(
                         $tag => self.$field.load(decode(stringify!($field), rest)?, decode(stringify!($field), value)?),
+                    )*
+                    $(
+                        $ctag => self.$cfield.load(decode(stringify!($cfield), rest)?, decode(stringify!($cfield), value)?),
                     )*
                     other => {
                         return Err(CheckpointDecodeError { table: "?", reason: format!("unknown table tag {other}") })
@@ -170,18 +193,53 @@ macro_rules! state_tables {
                         out.extend(encode(value));
                     }
                 )*
+                $(
+                    let entries = self.$cfield.all_entries($ctag, &self.cold);
+                    out.push($ctag);
+                    out.extend(encode(&(entries.len() as u64)));
+                    for (key, value) in &entries {
+                        out.extend(encode(key));
+                        out.extend(encode(value));
+                    }
+                )*
                 out
             }
 
             /// Entries not yet checkpointed.
             pub fn changed_len(&self) -> usize {
-                0 $(+ self.$field.changed_len())*
+                0 $(+ self.$field.changed_len())* $(+ self.$cfield.changed_len())*
+            }
+
+            /// Whether entries of the table with this checkpoint tag may stay in the store when
+            /// a checkpoint is restored (they are read back when needed).
+            pub fn is_cold_tag(tag: u8) -> bool {
+                [$($ctag),*].contains(&tag)
+            }
+
+            /// Backs the cold tables with `cold`: entries not in memory are read from it. Call
+            /// on a state restored without its cold entries.
+            pub fn attach_cold(&mut self, cold: Cold) {
+                self.cold = cold;
+                $( self.$cfield.set_backed(); )*
+            }
+
+            /// Lets go of up to `max` clean entries of each cold table (see [`crate::cold`]);
+            /// only while the store holds every clean entry's latest value. Returns how many
+            /// entries left memory.
+            pub fn evict_cold(&mut self, max: usize) -> usize {
+                0 $(+ self.$cfield.evict(max))*
+            }
+
+            /// Present entries of the cold tables in memory.
+            pub fn cold_resident_len(&self) -> usize {
+                0 $(+ self.$cfield.resident_len())*
             }
 
             /// The name of the table with this tag.
             fn table_of_tag(tag: u8) -> Option<&'static str> {
                 match tag {
                     $( $tag => Some(stringify!($field)), )*
+                    $( $ctag => Some(stringify!($cfield)), )*
                     _ => None,
                 }
             }
@@ -193,8 +251,6 @@ state_tables! {
     1 => agents,
     2 => slack_identities,
     3 => journals,
-    4 => identities,
-    5 => identity_order,
     6 => cursors,
     7 => queues,
     8 => settled,
@@ -214,15 +270,23 @@ state_tables! {
     22 => surfaces,
     23 => agent_keys,
     24 => linear_sessions,
-    25 => linear_session_order,
+    25 => linear_session_order;
+    cold:
+    IDENTITIES_TAG => identities,
+    IDENTITY_ORDER_TAG => identity_order,
+    JOURNAL_ROWS_TAG => journal_rows,
 }
+
+pub(crate) const IDENTITIES_TAG: u8 = 4;
+pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
+use crate::journal::JOURNAL_ROWS_TAG;
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     // Serializing plain data into a Vec cannot fail.
     postcard::to_allocvec(value).expect("postcard encodes plain data")
 }
 
-fn tagged<T: Serialize>(tag: u8, key: &T) -> Vec<u8> {
+pub(crate) fn tagged<T: Serialize>(tag: u8, key: &T) -> Vec<u8> {
     let mut out = vec![tag];
     out.extend(encode(key));
     out
@@ -306,7 +370,7 @@ impl State {
                 let (on, ts): (SurfaceKey, String) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ts})", surface(on)?)
             }
-            "identity_order" => {
+            "identity_order" | "journal_rows" => {
                 let (on, ordinal): (SurfaceKey, u64) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ordinal})", surface(on)?)
             }
@@ -318,6 +382,29 @@ impl State {
             _ => return None,
         };
         Some(format!("{table} {named}"))
+    }
+
+    /// The state's own estimate of the memory it takes: entries counted by table, with a rough
+    /// size each. The runner compares it with its budget to decide when cold entries leave.
+    pub fn memory_estimate_bytes(&self) -> usize {
+        let queued: usize = self.queues.iter().map(|(_, queue)| queue.queued().len() + 1).sum();
+        let hot_entries = self.agents.len()
+            + self.slack_identities.len()
+            + self.journals.len()
+            + self.cursors.len()
+            + self.settled.len()
+            + self.verdicts.len()
+            + self.subscriptions.len()
+            + self.chat_identities.len()
+            + self.chat_kinds.len()
+            + self.linear_receipts.len() * 2
+            + self.linear_responses.len() * 3
+            + self.linear_sessions.len() * 2
+            + self.memory_gates.len()
+            + self.memory_open.len()
+            + self.surfaces.len()
+            + self.agent_keys.len();
+        self.cold_resident_len() * COLD_ENTRY_BYTES + hot_entries * HOT_ENTRY_BYTES + queued * QUEUED_WAKE_BYTES
     }
 
     /// Whether the fold stopped deciding at or before `seq`.

@@ -471,11 +471,10 @@ impl State {
         let mut after_cursors = 0u64;
         for surface in &surfaces {
             let cursor = self.cursor(agent, surface).unwrap_or(0);
-            if let Some(journal) = self.journal(surface) {
+            if let Some((key, journal)) = self.surfaces.key(surface).and_then(|k| Some((k, self.journals.get(&k)?))) {
                 after_cursors += journal.tail.saturating_sub(cursor);
                 candidates.extend(
-                    journal
-                        .newest_after(cursor)
+                    self.newest_rows_after(key, cursor)
                         .filter(|r| !(surface == &item.trigger_surface && r.ordinal == item.trigger.ordinal))
                         .take(ROWS_SHOWN_MAX)
                         .map(|r| (surface, r)),
@@ -570,6 +569,12 @@ impl State {
                 self.remember_settled(at, &agent, &item.id);
                 settled_without_turn.push(item.id);
                 continue;
+            }
+            for surface in Self::plan_surfaces(&item) {
+                if let Some(key) = self.surfaces.key(&surface) {
+                    let cursor = self.cursor(&agent, &surface).unwrap_or(0);
+                    self.ensure_rows_after(key, cursor);
+                }
             }
             let (plan, rows, not_shown, extras) = self.prepare_wake(&agent, &item);
             let queue = self.queues.get_mut(&agent).expect("queue exists");

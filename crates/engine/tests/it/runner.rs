@@ -212,3 +212,167 @@ async fn a_replaced_runner_cannot_write_over_its_successor() {
     new.write(&identity, vec![], vec![]).await.expect("the successor writes");
     drop(db);
 }
+
+/// A fleet's traffic: `agents` agents with 40 DMs each and shared channels, messages from
+/// people (some mentioning an agent), sends into surfaces that moved, and wakes claimed, started
+/// with the plan their claim handed out, and finished. Requests are built from a shadow fold of
+/// what was generated so far, so starts carry real plans and cursors move.
+fn fleet_events(agents: usize, total: usize, seed: u64) -> Vec<AppendRecord> {
+    use anima_projections::verdict::{ClaimVerdict, Verdict};
+    let mut random = seed;
+    let mut next = move |n: u64| {
+        random = random.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (random >> 33) % n
+    };
+    let slack = |channel: String| proto::ReplyTarget {
+        target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
+            team_id: "T1".into(),
+            channel_id: channel,
+            thread_ts: String::new(),
+        })),
+    };
+    let mut shadow = State::new();
+    let mut out: Vec<AppendRecord> = Vec::new();
+    let mut emit = |payload: Payload, shadow: &mut State| {
+        let e = envelope(format!("fleet-{seed}-{}", out.len()), payload);
+        let at =
+            LogPosition { seq: out.len() as u64 + 1, at_ns: 1_700_000_000_000_000_000 + out.len() as i64 * 1_000_000 };
+        shadow.apply(at, &e);
+        out.push(AppendRecord {
+            subject: "anima.v1.fleet".into(),
+            msg_id: e.event_id.clone(),
+            payload: Bytes::from(e.encode_to_vec()),
+        });
+        shadow.verdict(at.seq).cloned()
+    };
+    for a in 0..agents {
+        let registration = proto::AgentRegistered {
+            agent_id: format!("a{a}"),
+            slack_bot_user_id: format!("UB{a}"),
+            ..Default::default()
+        };
+        emit(Payload::AgentRegistered(registration), &mut shadow);
+    }
+    // Per agent: the claimed wake waiting for its start, or the started one waiting to finish.
+    let mut wakes: Vec<Option<(String, Vec<proto::PlanSurface>, bool)>> = vec![None; agents];
+    let mut messages = 0u64;
+    for _ in 0..total {
+        let agent = next(agents as u64) as usize;
+        let agent_id = format!("a{agent}");
+        let channel = if next(3) == 0 { format!("C{}", next(20)) } else { format!("D{agent:03}{:03}", next(40)) };
+        match next(10) {
+            0..=4 => {
+                messages += 1;
+                let kind =
+                    if next(4) == 0 { proto::SlackDeliveryKind::AppMention } else { proto::SlackDeliveryKind::Message };
+                let message = proto::SlackMessageObserved {
+                    receiving_agent_id: agent_id,
+                    kind: kind as i32,
+                    team_id: "T1".into(),
+                    channel_id: channel,
+                    ts: format!("{}.{:06}", 1_700_000_000 + messages, next(1_000_000)),
+                    user_id: format!("U{}", next(30)),
+                    text: format!("message {messages}"),
+                    ..Default::default()
+                };
+                emit(Payload::SlackMessage(message), &mut shadow);
+            }
+            5..=6 => {
+                let send = proto::SendRequested {
+                    agent_id,
+                    target: Some(slack(channel)),
+                    kind: proto::SendKind::Message as i32,
+                    draft_bytes: 10,
+                };
+                emit(Payload::Send(send), &mut shadow);
+            }
+            _ => match wakes[agent].take() {
+                None => {
+                    let claim = proto::WakeClaimRequested { agent_id, worker_id: "w".into(), ..Default::default() };
+                    if let Some(Verdict::Claim(ClaimVerdict::Claimed(claimed))) =
+                        emit(Payload::WakeClaim(claim), &mut shadow)
+                    {
+                        let plan = claimed.plan.iter().map(|p| p.to_plan_surface()).collect();
+                        wakes[agent] = Some((claimed.item.id.clone(), plan, false));
+                    }
+                }
+                Some((item_id, plan, false)) => {
+                    let start = proto::WakeStartRequested {
+                        agent_id,
+                        worker_id: "w".into(),
+                        item_id: item_id.clone(),
+                        plan: plan.clone(),
+                    };
+                    emit(Payload::WakeStart(start), &mut shadow);
+                    wakes[agent] = Some((item_id, plan, true));
+                }
+                Some((item_id, _, true)) => {
+                    let finish = proto::WakeFinishRequested {
+                        agent_id,
+                        worker_id: "w".into(),
+                        item_id,
+                        outcome: proto::WakeOutcome::Completed as i32,
+                        ..Default::default()
+                    };
+                    emit(Payload::WakeFinish(finish), &mut shadow);
+                }
+            },
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
+    // The runner with a zero budget lets every clean journal row and identity leave memory after
+    // each checkpoint and reads them back from sled when a decision needs them; a fold with
+    // everything in memory must reach the same verdicts and the same state.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    let records = fleet_events(12, 6_000, 7);
+    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let tiny = RunnerConfig { checkpoint_every_events: 25, state_bytes_max: 0, ..config() };
+    let shutdown = CancellationToken::new();
+    let runner = Runner::start(log.clone(), checkpoints.clone(), tiny.clone(), shutdown.clone()).await.expect("runner");
+    // Appended in slices, so batches, checkpoints and evictions interleave with the traffic.
+    for slice in records.chunks(97) {
+        let appended = log.append_batch(slice.to_vec()).await.expect("append");
+        let last = appended.last().map(|a| a.seq()).unwrap_or(0);
+        runner.projection.wait_applied(last, WAIT).await.expect("applied");
+    }
+    let last = log.last_seq().await.expect("last");
+    let mut reference = State::new();
+    let mut all = log.read(1, last, None).await.expect("read");
+    while let Some(record) = all.next().await {
+        let record = record.expect("record");
+        reference.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+    }
+    {
+        let live = runner.projection.state();
+        assert!(
+            live.cold_resident_len() * 4 < reference.cold_resident_len(),
+            "the zero budget kept {} of {} cold entries in memory",
+            live.cold_resident_len(),
+            reference.cold_resident_len()
+        );
+        let held = (1..=last)
+            .filter(|seq| {
+                matches!(
+                    reference.verdict(*seq),
+                    Some(anima_projections::verdict::Verdict::Send(anima_projections::verdict::SendVerdict::Held(_)))
+                )
+            })
+            .count();
+        assert!(held > 100, "the fleet log holds sends ({held}), so rows are read back");
+        for seq in 1..=last {
+            assert_eq!(live.verdict(seq), reference.verdict(seq), "the verdict of seq {seq} depends on memory");
+        }
+        assert!(live.canonical_bytes() == reference.canonical_bytes(), "the state depends on memory");
+    }
+    shutdown.cancel();
+    runner.task.await.expect("join").expect("runner ends cleanly");
+    // A restart loads what is hot and leaves the cold entries in the checkpoint: same state.
+    let (restarted, restored_at) = run_to_end(log.clone(), checkpoints).await;
+    assert_eq!(restored_at, last);
+    assert!(restarted == reference.canonical_bytes(), "the restarted state differs");
+}

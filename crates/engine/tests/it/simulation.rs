@@ -1366,8 +1366,6 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
         agents,
         slack_identities,
         journals,
-        identities,
-        identity_order,
         cursors,
         queues,
         verdicts,
@@ -1383,6 +1381,21 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
         memory_gates,
         memory_open
     );
+    macro_rules! cold_tables {
+        ($($tag:literal => $field:ident),*) => {$(
+            let (a, b) = (live.$field.all_entries($tag, &live.cold), rebuilt.$field.all_entries($tag, &rebuilt.cold));
+            if a != b {
+                let first = a.iter().zip(b.iter()).find(|(a, b)| a != b);
+                out.push(format!(
+                    "{} ({} live vs {} rebuilt entries; first difference {first:?})",
+                    stringify!($field),
+                    a.len(),
+                    b.len()
+                ));
+            }
+        )*};
+    }
+    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows);
     if live.settled != rebuilt.settled {
         out.push(format!("settled ({} live vs {} rebuilt)", live.settled.len(), rebuilt.settled.len()));
     }

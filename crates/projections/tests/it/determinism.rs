@@ -12,6 +12,9 @@
 //! checkpoints, replayed into a key-value store and loaded into a fresh `State`, reproduce it.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use anima_projections::cold::{Cold, ColdStore};
 
 use anima_projections::journal::RECENT_ROWS_MAX;
 use anima_projections::proto::{envelope::Payload, Envelope, WakeOutcome};
@@ -146,7 +149,10 @@ struct Scenario {
     log: TestLog,
     model: Model,
     /// The checkpoint store: the runner's key-value view of the state.
-    checkpoint: BTreeMap<Vec<u8>, Vec<u8>>,
+    checkpoint: Arc<MemoryStore>,
+    /// Set: after every event the changes are checkpointed and every clean entry of the cold
+    /// tables leaves memory, so each decision reads what it needs back from the store.
+    evict_always: bool,
     messages: Vec<Envelope>,
     starts: Vec<Envelope>,
     /// Top-level message ts per channel, newest last.
@@ -155,14 +161,53 @@ struct Scenario {
     anna_variant: bool,
 }
 
+/// A key-value checkpoint store in memory, readable as the fold's cold store.
+#[derive(Default)]
+struct MemoryStore(Mutex<BTreeMap<Vec<u8>, Vec<u8>>>);
+
+impl MemoryStore {
+    fn entries(&self) -> BTreeMap<Vec<u8>, Vec<u8>> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl ColdStore for MemoryStore {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
+        Ok(self.0.lock().unwrap().get(key).cloned())
+    }
+
+    fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
+        let entries = self.0.lock().unwrap();
+        Ok(entries
+            .range(prefix.to_vec()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
+    }
+}
+
 impl Scenario {
+    /// A scenario whose state keeps nothing cold in memory (see `Scenario::evict_always`).
+    fn evicting() -> Self {
+        let mut scenario = Scenario { evict_always: true, ..Scenario::default() };
+        let store: Arc<dyn ColdStore> = scenario.checkpoint.clone();
+        scenario.log.state.attach_cold(Cold::new(store));
+        scenario.register_agents();
+        scenario
+    }
+
     fn new() -> Self {
         let mut scenario = Scenario::default();
+        scenario.register_agents();
+        scenario
+    }
+
+    fn register_agents(&mut self) {
+        let scenario = self;
         for (index, name) in AGENTS.iter().enumerate() {
             let (user, bot) = identities(index, false);
             scenario.fold(agent(name, user, bot));
         }
-        scenario
     }
 
     /// A fresh ts: unique, and out of log order by `jitter` thousand minutes.
@@ -302,15 +347,20 @@ impl Scenario {
         let seq = self.log.fold(event);
         let event = &self.log.events[seq as usize - 1];
         self.model.check(event, &self.log.state, seq);
+        if self.evict_always {
+            self.checkpoint();
+            self.log.state.evict_cold(usize::MAX);
+        }
         seq
     }
 
     /// Writes the changed keys into the checkpoint store, as the runner does.
     fn checkpoint(&mut self) {
+        let mut store = self.checkpoint.0.lock().unwrap();
         for (key, value) in self.log.state.drain_changes() {
             match value {
-                Some(value) => self.checkpoint.insert(key, value),
-                None => self.checkpoint.remove(&key),
+                Some(value) => store.insert(key, value),
+                None => store.remove(&key),
             };
         }
     }
@@ -325,13 +375,15 @@ impl Scenario {
         assert!(again.canonical_bytes() == bytes, "folding the same events again gave different state");
         self.checkpoint();
         let mut loaded = State::new();
-        for (key, value) in &self.checkpoint {
+        for (key, value) in &self.checkpoint.entries() {
             loaded.load_entry(key, value).expect("checkpoint entries decode");
         }
         assert!(loaded.canonical_bytes() == bytes, "state loaded from the checkpoint differs from the folded state");
         // Derived lookup indexes (interned keys, queued ids) are not in the canonical bytes:
         // loading must rebuild them too.
-        assert!(loaded == self.log.state, "indexes rebuilt from the checkpoint differ from the folded state's");
+        if !self.evict_always {
+            assert!(loaded == self.log.state, "indexes rebuilt from the checkpoint differ from the folded state's");
+        }
     }
 }
 
@@ -530,10 +582,39 @@ fn run(actions: &[Action]) -> Scenario {
     scenario
 }
 
+/// Runs `actions` twice, keeping everything in memory and keeping nothing cold in memory: every
+/// verdict and the canonical state must be the same (a verdict never depends on memory).
+fn run_with_and_without_eviction(actions: &[Action]) {
+    let kept = run(actions);
+    let mut evicting = Scenario::evicting();
+    for action in actions {
+        evicting.act(action);
+    }
+    evicting.check_replays();
+    assert_eq!(kept.log.events.len(), evicting.log.events.len());
+    for seq in 1..=kept.log.events.len() as u64 {
+        assert_eq!(
+            kept.log.state.verdict(seq),
+            evicting.log.state.verdict(seq),
+            "the verdict of seq {seq} depends on what was in memory"
+        );
+    }
+    assert!(
+        kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes(),
+        "the state folded with eviction differs from the one folded without"
+    );
+    assert!(evicting.log.state.cold_resident_len() < kept.log.state.cold_resident_len() || kept.log.events.len() < 10);
+}
+
 proptest! {
     #[test]
     fn random_interleavings_match_the_model_and_replay_identically(actions in prop::collection::vec(action(), 1..150)) {
         run(&actions);
+    }
+
+    #[test]
+    fn verdicts_do_not_depend_on_what_was_in_memory(actions in prop::collection::vec(action(), 1..150)) {
+        run_with_and_without_eviction(&actions);
     }
 }
 
@@ -594,6 +675,8 @@ fn a_long_generated_scenario_folds_identically_twice() {
         let actions: Vec<Action> = (0..2_000).map(|_| random.action()).collect();
         let scenario = std::panic::catch_unwind(|| run(&actions));
         assert!(scenario.is_ok(), "the scenario of seed {seed} failed");
+        let evicting = std::panic::catch_unwind(|| run_with_and_without_eviction(&actions));
+        assert!(evicting.is_ok(), "the scenario of seed {seed} decided differently with nothing cold in memory");
     }
 }
 
@@ -617,6 +700,40 @@ fn the_checkpoint_round_trip_survives_removals() {
         scenario.log.fold(send("bert", "C1"));
     }
     assert_eq!(scenario.log.state.verdicts.len() as u64, kept);
-    assert_eq!(scenario.log.state.identities.len() as u64, anima_projections::state::IDENTITIES_PER_SURFACE_MAX);
+    assert_eq!(
+        scenario.log.state.identities.resident_len() as u64,
+        anima_projections::state::IDENTITIES_PER_SURFACE_MAX
+    );
     scenario.check_replays();
+}
+
+#[test]
+fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    // The dedupe window's oldest identity is forgotten through the cold store when it left
+    // memory; a redelivery of an old message is then new again in both folds, of a recent one
+    // a duplicate in both.
+    let mut kept = Scenario::new();
+    let mut evicting = Scenario::evicting();
+    let total = anima_projections::state::IDENTITIES_PER_SURFACE_MAX + 50;
+    let event = |n: u64| message("anna", "C1", &format!("{}.000100", 1_600_000_000 + n)).by_user("U1", "Uma").text("x");
+    // The model does not know the window, so these folds go around it.
+    let mut both = |envelope: Envelope| {
+        kept.log.fold(envelope.clone());
+        evicting.log.fold(envelope);
+        evicting.checkpoint();
+        evicting.log.state.evict_cold(usize::MAX);
+    };
+    for n in 0..total {
+        both(event(n));
+    }
+    for n in [0, 10, total - 1] {
+        both(event(n));
+    }
+    let tail = |state: &State| state.journal_entries()[0].1.tail;
+    assert_eq!(tail(&kept.log.state), total + 2, "two redeliveries were beyond the window, one within");
+    for seq in 1..=kept.log.events.len() as u64 {
+        assert_eq!(kept.log.state.verdict(seq), evicting.log.state.verdict(seq), "verdict of seq {seq}");
+    }
+    assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
+    assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
 }

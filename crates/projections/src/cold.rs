@@ -1,0 +1,296 @@
+//! Cold state: entries the fold wrote, checkpointed, and then let go of to keep memory under its
+//! budget. They live in the checkpoint store and are read back when a decision needs them.
+//!
+//! The rule that keeps this safe: **a verdict never depends on whether state was in memory.**
+//! Every table that may let entries go is a [`ColdTable`]; the fold reads it only after
+//! [`ColdTable::ensure`] brought the key in (from memory, or else from the store), and a key is
+//! let go only when it is clean and the store holds its latest value (no checkpoint write in
+//! flight). So the store is logically part of the state: what the fold sees through it is
+//! exactly what it would have kept in memory. The store is read synchronously and only by the
+//! fold's own thread; the fold stays a function of (state, event) and does no IO of its own —
+//! the engine provides the store.
+//!
+//! A store that cannot be read leaves the fold unable to decide: it panics with the cause, which
+//! stops the projection runner (the engine reports it and goes unhealthy; a restart rebuilds
+//! from the checkpoint and the log). Deciding on a guess is never an option.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// Stored entries as (key, value) bytes.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Read access to the checkpoint store's state entries, keyed as [`crate::State::drain_changes`]
+/// writes them (table tag, then the postcard key).
+pub trait ColdStore: Send + Sync {
+    /// The stored value of `key`, if any.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String>;
+    /// Every stored entry whose key starts with `prefix`, in key-byte order.
+    fn scan(&self, prefix: &[u8]) -> Result<Entries, String>;
+}
+
+/// The state's handle on its cold store (none: everything is in memory).
+#[derive(Clone, Default)]
+pub struct Cold(Option<Arc<dyn ColdStore>>);
+
+impl Cold {
+    pub fn new(store: Arc<dyn ColdStore>) -> Self {
+        Cold(Some(store))
+    }
+
+    pub fn is_attached(&self) -> bool {
+        self.0.is_some()
+    }
+
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        let store = self.0.as_ref()?;
+        match store.get(key) {
+            Ok(value) => value,
+            Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
+        }
+    }
+
+    fn scan(&self, prefix: &[u8]) -> Entries {
+        let Some(store) = self.0.as_ref() else { return Vec::new() };
+        match store.scan(prefix) {
+            Ok(entries) => entries,
+            Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
+        }
+    }
+}
+
+/// Handles compare equal: which store backs a state is not part of the state.
+impl PartialEq for Cold {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Cold {}
+
+impl std::fmt::Debug for Cold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.is_attached() { "Cold(store)" } else { "Cold(none)" })
+    }
+}
+
+/// An ordered table whose clean entries may be let go and read back from the checkpoint store.
+///
+/// In memory a key is present (`Some`), known absent (`None`: removed, or looked up and not
+/// stored), or unknown (not in the map: let go, or never loaded). Only unknown keys are read
+/// from the store, and only by [`ColdTable::ensure`]. While every entry is in memory
+/// (`complete`, e.g. a state folded from the log without a store) reads need no `ensure`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColdTable<K: Ord + Clone, V> {
+    map: BTreeMap<K, Option<V>>,
+    dirty: BTreeSet<K>,
+    /// Present entries in memory.
+    present: usize,
+    /// Whether every entry is in memory (nothing let go, nothing left in the store).
+    complete: bool,
+    /// Where the last [`ColdTable::evict`] stopped, so the next one goes on from there.
+    hand: Option<K>,
+}
+
+impl<K: Ord + Clone, V> Default for ColdTable<K, V> {
+    fn default() -> Self {
+        ColdTable { map: BTreeMap::new(), dirty: BTreeSet::new(), present: 0, complete: true, hand: None }
+    }
+}
+
+impl<K, V> ColdTable<K, V>
+where
+    K: Ord + Clone + Serialize + for<'de> Deserialize<'de>,
+    V: Serialize + for<'de> Deserialize<'de>,
+{
+    /// Brings `key` into memory from the store if it is unknown, so that [`ColdTable::get`]
+    /// answers for it. `tag` is the table's checkpoint tag.
+    pub fn ensure(&mut self, tag: u8, key: &K, cold: &Cold) {
+        if self.complete || self.map.contains_key(key) {
+            return;
+        }
+        let value = cold.get(&crate::state::tagged(tag, key)).map(|bytes| {
+            postcard::from_bytes::<V>(&bytes)
+                .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"))
+        });
+        if value.is_some() {
+            self.present += 1;
+        }
+        self.map.insert(key.clone(), value);
+    }
+
+    /// The value of `key`. Unless the table is complete the key must have been ensured.
+    pub fn get(&self, key: &K) -> Option<&V> {
+        debug_assert!(self.complete || self.map.contains_key(key), "a cold key read without ensure");
+        self.map.get(key).and_then(Option::as_ref)
+    }
+
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        self.dirty.insert(key.clone());
+        let old = self.map.insert(key, Some(value)).flatten();
+        if old.is_none() {
+            self.present += 1;
+        }
+        old
+    }
+
+    /// Removes `key` whether or not it is in memory (no read of the store): the next checkpoint
+    /// removes it there too.
+    pub fn forget(&mut self, key: K) {
+        if self.complete {
+            if self.map.remove(&key).flatten().is_some() {
+                self.present -= 1;
+                self.dirty.insert(key);
+            }
+            return;
+        }
+        self.dirty.insert(key.clone());
+        if self.map.insert(key, None).flatten().is_some() {
+            self.present -= 1;
+        }
+    }
+
+    /// The value of `key` from memory, or else read from the store without keeping it (for
+    /// readers that hold the state shared, e.g. tools on a restored state).
+    pub fn read_through(&self, tag: u8, key: &K, cold: &Cold) -> Option<V>
+    where
+        V: Clone,
+    {
+        match self.map.get(key) {
+            Some(value) => value.clone(),
+            None if self.complete => None,
+            None => cold.get(&crate::state::tagged(tag, key)).map(|bytes| {
+                postcard::from_bytes::<V>(&bytes)
+                    .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"))
+            }),
+        }
+    }
+
+    /// Removes an ensured key and returns its value.
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        debug_assert!(self.complete || self.map.contains_key(key), "a cold key removed without ensure");
+        let old = match self.map.get_mut(key) {
+            Some(slot) => slot.take(),
+            None => None,
+        };
+        if old.is_some() {
+            self.present -= 1;
+            self.dirty.insert(key.clone());
+            if self.complete {
+                self.map.remove(key);
+            }
+        }
+        old
+    }
+
+    /// Present entries in memory, in key order (the whole table only while complete).
+    pub fn iter_resident(&self) -> impl Iterator<Item = (&K, &V)> {
+        self.map.iter().filter_map(|(k, v)| v.as_ref().map(|v| (k, v)))
+    }
+
+    /// Present entries in memory in `range`.
+    pub fn range_resident<R: std::ops::RangeBounds<K>>(&self, range: R) -> impl Iterator<Item = (&K, &V)> {
+        self.map.range(range).filter_map(|(k, v)| v.as_ref().map(|v| (k, v)))
+    }
+
+    /// Present entries in memory.
+    pub fn resident_len(&self) -> usize {
+        self.present
+    }
+
+    /// Keys in memory (present or known absent).
+    pub fn slots_len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.complete
+    }
+
+    /// Every entry, in memory or in the store, in key order (for the canonical encoding and for
+    /// tools; reads the whole table from the store unless complete).
+    pub fn all_entries(&self, tag: u8, cold: &Cold) -> Vec<(K, V)>
+    where
+        V: Clone,
+    {
+        let mut out: BTreeMap<K, Option<V>> = BTreeMap::new();
+        if !self.complete {
+            for (key, value) in cold.scan(&[tag]) {
+                let key = postcard::from_bytes::<K>(&key[1..])
+                    .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e})"));
+                let value = postcard::from_bytes::<V>(&value)
+                    .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e})"));
+                out.insert(key, Some(value));
+            }
+        }
+        for (key, value) in &self.map {
+            out.insert(key.clone(), value.clone());
+        }
+        out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
+    }
+
+    /// The keys changed since the last call, with their current value (`None`: removed).
+    pub fn drain_changes(&mut self) -> Vec<(K, Option<&V>)> {
+        let dirty = std::mem::take(&mut self.dirty);
+        dirty
+            .into_iter()
+            .map(|key| {
+                let value = self.map.get(&key).and_then(Option::as_ref);
+                (key, value)
+            })
+            .collect()
+    }
+
+    /// Loads an entry from a checkpoint; not marked changed.
+    pub fn load(&mut self, key: K, value: V) {
+        if self.map.insert(key, Some(value)).flatten().is_none() {
+            self.present += 1;
+        }
+    }
+
+    /// Marks the table as backed by the store: entries not in memory are read from it.
+    pub fn set_backed(&mut self) {
+        self.complete = false;
+    }
+
+    pub fn changed_len(&self) -> usize {
+        self.dirty.len()
+    }
+
+    /// Lets go of up to `max` clean entries, going on from where the last call stopped. Call only
+    /// when the store holds every clean entry's latest value (no checkpoint write in flight).
+    /// Returns how many present entries left memory.
+    pub fn evict(&mut self, max: usize) -> usize {
+        self.complete = false;
+        let chosen: Vec<K> = {
+            let after_hand = match self.hand.take() {
+                Some(hand) => {
+                    let wrapped = self.map.range(..hand.clone());
+                    Box::new(self.map.range(hand..).chain(wrapped)) as Box<dyn Iterator<Item = (&K, &Option<V>)>>
+                }
+                None => Box::new(self.map.iter()),
+            };
+            let mut chosen = Vec::new();
+            for (key, _) in after_hand {
+                if chosen.len() == max {
+                    self.hand = Some(key.clone());
+                    break;
+                }
+                if !self.dirty.contains(key) {
+                    chosen.push(key.clone());
+                }
+            }
+            chosen
+        };
+        let mut let_go = 0;
+        for key in chosen {
+            if let Some(Some(_)) = self.map.remove(&key) {
+                let_go += 1;
+            }
+        }
+        self.present -= let_go;
+        let_go
+    }
+}
