@@ -158,6 +158,14 @@ macro_rules! state_tables {
                         out.push((tagged($ctag, &key), value.map(encode)));
                     }
                 )*
+                // A queue: its header, and each item that changed under its own key.
+                self.queues.drain_changes_mut(|agent, queue| {
+                    let Some(queue) = queue else { return };
+                    out.push((tagged(QUEUES_TAG, agent), Some(encode(&queue.header()))));
+                    for (slot, item) in queue.drain_item_changes() {
+                        out.push((tagged(QUEUE_ITEMS_TAG, &(agent, slot.to_be_bytes())), item.map(encode)));
+                    }
+                });
                 out
             }
 
@@ -175,6 +183,14 @@ macro_rules! state_tables {
                     $(
                         $ctag => self.$cfield.load(decode(stringify!($cfield), rest)?, decode(stringify!($cfield), value)?),
                     )*
+                    QUEUES_TAG => {
+                        let agent: String = decode("queues", rest)?;
+                        self.queues.load_mut(agent).load_header(decode("queues", value)?);
+                    }
+                    QUEUE_ITEMS_TAG => {
+                        let (agent, slot): (String, [u8; 8]) = decode("queue_items", rest)?;
+                        self.queues.load_mut(agent).load_item(u64::from_be_bytes(slot), decode("queue_items", value)?);
+                    }
                     other => {
                         return Err(CheckpointDecodeError { table: "?", reason: format!("unknown table tag {other}") })
                     }
@@ -193,6 +209,17 @@ macro_rules! state_tables {
                         out.extend(encode(value));
                     }
                 )*
+                out.push(QUEUES_TAG);
+                out.extend(encode(&(self.queues.len() as u64)));
+                for (agent, queue) in self.queues.iter() {
+                    out.extend(encode(agent));
+                    out.extend(encode(&queue.header()));
+                    out.extend(encode(&(queue.queued().len() as u64)));
+                    for (slot, item) in queue.slotted() {
+                        out.extend(encode(&slot));
+                        out.extend(encode(item));
+                    }
+                }
                 $(
                     let entries = self.$cfield.all_entries($ctag, &self.cold);
                     out.push($ctag);
@@ -208,6 +235,8 @@ macro_rules! state_tables {
             /// Entries not yet checkpointed.
             pub fn changed_len(&self) -> usize {
                 0 $(+ self.$field.changed_len())* $(+ self.$cfield.changed_len())*
+                    + self.queues.changed_len()
+                    + self.queues.iter().map(|(_, queue)| queue.changed_items_len()).sum::<usize>()
             }
 
             /// Whether entries of the table with this checkpoint tag may stay in the store when
@@ -240,6 +269,8 @@ macro_rules! state_tables {
                 match tag {
                     $( $tag => Some(stringify!($field)), )*
                     $( $ctag => Some(stringify!($cfield)), )*
+                    QUEUES_TAG => Some("queues"),
+                    QUEUE_ITEMS_TAG => Some("queue_items"),
                     _ => None,
                 }
             }
@@ -252,7 +283,6 @@ state_tables! {
     2 => slack_identities,
     3 => journals,
     6 => cursors,
-    7 => queues,
     8 => settled,
     // 9 held the settle order before `settled` kept it in its key.
     10 => verdicts,
@@ -277,6 +307,9 @@ state_tables! {
     JOURNAL_ROWS_TAG => journal_rows,
 }
 
+/// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
+const QUEUES_TAG: u8 = 7;
+const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
 use crate::journal::JOURNAL_ROWS_TAG;

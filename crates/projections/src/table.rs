@@ -97,6 +97,23 @@ impl<K: Ord + Clone, V> Table<K, V> {
             .collect()
     }
 
+    /// The keys changed since the last call, each with mutable access to its current value
+    /// (`None`: removed), for tables whose values checkpoint their own parts.
+    pub fn drain_changes_mut(&mut self, mut each: impl FnMut(&K, Option<&mut V>)) {
+        for key in std::mem::take(&mut self.dirty) {
+            each(&key, self.map.get_mut(&key));
+        }
+    }
+
+    /// Mutable access for loading a checkpoint, inserting `V::default()` when absent; not
+    /// marked changed.
+    pub fn load_mut(&mut self, key: K) -> &mut V
+    where
+        V: Default,
+    {
+        self.map.entry(key).or_default()
+    }
+
     /// Loads an entry from a checkpoint; not marked changed.
     pub fn load(&mut self, key: K, value: V) {
         self.map.insert(key, value);

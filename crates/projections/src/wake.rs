@@ -1,7 +1,7 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use serde::{Deserialize, Serialize};
@@ -167,28 +167,48 @@ pub fn claim_lease_ns(claim_lease_seconds: u32) -> i64 {
     i64::from(seconds) * 1_000_000_000
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(from = "AgentQueueFields")]
+/// One agent's queue. It is checkpointed as a small header (the active wake and counters) plus
+/// one entry per queued item keyed by its slot, so queuing or taking one item writes that item,
+/// never the whole queue (a queue holds up to [`QUEUED_ITEMS_MAX`] items).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AgentQueue {
     /// Waiting items in queue order; changed only through the methods below, which keep
-    /// `queued_ids` in step.
+    /// `slots`, `queued_ids` and `coverage` in step.
     queued: VecDeque<WakeItem>,
+    /// The checkpoint slot of each queued item, ascending (items queued at the back take slots
+    /// above the middle of the range, items put back at the front slots below it).
+    slots: VecDeque<u64>,
     pub active: Option<ActiveWake>,
     /// How many settled ids are remembered for this agent.
     pub settled_remembered: u32,
     /// Order of the next settled id, so the oldest can be forgotten first.
     pub settled_counter: u64,
-    /// The ids in `queued`, for the duplicate check of every new wake (a queue holds up to
-    /// [`QUEUED_ITEMS_MAX`] items). Derived: not persisted, rebuilt when a checkpoint loads;
-    /// only looked up, never iterated.
-    #[serde(skip)]
+    /// Slots taken at the back and at the front so far.
+    back_taken: u64,
+    front_taken: u64,
+    /// Slots whose item changed (queued or taken) since the last checkpoint.
+    changed_slots: BTreeSet<u64>,
+    /// The ids in `queued`, for the duplicate check of every new wake. Derived: rebuilt when a
+    /// checkpoint loads; only looked up, never iterated.
     queued_ids: HashSet<String>,
     /// What the coalescing of every accepted start looks at, per queued item in queue order:
     /// scanning these small entries instead of the items keeps that scan in cache. Derived like
     /// `queued_ids`.
-    #[serde(skip)]
     coverage: VecDeque<Coverage>,
 }
+
+/// The checkpointed part of an [`AgentQueue`] besides its items.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueHeader {
+    pub active: Option<ActiveWake>,
+    pub settled_remembered: u32,
+    pub settled_counter: u64,
+    pub back_taken: u64,
+    pub front_taken: u64,
+}
+
+/// The middle of the slot range: the first slot at the back.
+const SLOT_MIDDLE: u64 = 1 << 63;
 
 /// Whether a start's cursors cover a queued item: its trigger surface (a fingerprint first, the
 /// surface itself on a match), its trigger ordinal, and whether it resumes after a restart
@@ -217,30 +237,6 @@ fn surface_fingerprint(surface: &SurfaceId) -> u64 {
     hasher.finish()
 }
 
-/// The persisted fields of [`AgentQueue`], in its order.
-#[derive(Deserialize)]
-struct AgentQueueFields {
-    queued: VecDeque<WakeItem>,
-    active: Option<ActiveWake>,
-    settled_remembered: u32,
-    settled_counter: u64,
-}
-
-impl From<AgentQueueFields> for AgentQueue {
-    fn from(fields: AgentQueueFields) -> Self {
-        let queued_ids = fields.queued.iter().map(|item| item.id.clone()).collect();
-        let coverage = fields.queued.iter().map(Coverage::of).collect();
-        AgentQueue {
-            queued: fields.queued,
-            active: fields.active,
-            settled_remembered: fields.settled_remembered,
-            settled_counter: fields.settled_counter,
-            queued_ids,
-            coverage,
-        }
-    }
-}
-
 impl AgentQueue {
     /// Whether `item_id` is queued or active.
     pub fn holds(&self, item_id: &str) -> bool {
@@ -253,12 +249,20 @@ impl AgentQueue {
     }
 
     pub(crate) fn push_back(&mut self, item: WakeItem) {
+        let slot = SLOT_MIDDLE + self.back_taken;
+        self.back_taken += 1;
+        self.changed_slots.insert(slot);
+        self.slots.push_back(slot);
         self.queued_ids.insert(item.id.clone());
         self.coverage.push_back(Coverage::of(&item));
         self.queued.push_back(item);
     }
 
     pub(crate) fn push_front(&mut self, item: WakeItem) {
+        let slot = SLOT_MIDDLE - 1 - self.front_taken;
+        self.front_taken += 1;
+        self.changed_slots.insert(slot);
+        self.slots.push_front(slot);
         self.queued_ids.insert(item.id.clone());
         self.coverage.push_front(Coverage::of(&item));
         self.queued.push_front(item);
@@ -266,6 +270,8 @@ impl AgentQueue {
 
     pub(crate) fn remove(&mut self, index: usize) -> Option<WakeItem> {
         let item = self.queued.remove(index)?;
+        let slot = self.slots.remove(index).expect("a slot per item");
+        self.changed_slots.insert(slot);
         self.coverage.remove(index);
         self.queued_ids.remove(&item.id);
         Some(item)
@@ -278,6 +284,15 @@ impl AgentQueue {
             position += 1;
             kept[position - 1]
         });
+        let changed = &mut self.changed_slots;
+        let mut position = 0;
+        self.slots.retain(|slot| {
+            position += 1;
+            if !kept[position - 1] {
+                changed.insert(*slot);
+            }
+            kept[position - 1]
+        });
         let queued_ids = &mut self.queued_ids;
         let mut position = 0;
         self.queued.retain(|item| {
@@ -287,6 +302,57 @@ impl AgentQueue {
             }
             kept[position - 1]
         });
+    }
+
+    /// The checkpointed header.
+    pub fn header(&self) -> QueueHeader {
+        QueueHeader {
+            active: self.active.clone(),
+            settled_remembered: self.settled_remembered,
+            settled_counter: self.settled_counter,
+            back_taken: self.back_taken,
+            front_taken: self.front_taken,
+        }
+    }
+
+    /// Loads the header from a checkpoint.
+    pub fn load_header(&mut self, header: QueueHeader) {
+        self.active = header.active;
+        self.settled_remembered = header.settled_remembered;
+        self.settled_counter = header.settled_counter;
+        self.back_taken = header.back_taken;
+        self.front_taken = header.front_taken;
+    }
+
+    /// Loads one queued item from a checkpoint, in slot order whatever order they come in.
+    pub fn load_item(&mut self, slot: u64, item: WakeItem) {
+        let index = self.slots.partition_point(|s| *s < slot);
+        self.queued_ids.insert(item.id.clone());
+        self.coverage.insert(index, Coverage::of(&item));
+        self.slots.insert(index, slot);
+        self.queued.insert(index, item);
+    }
+
+    /// Queued items by slot, in queue order (the canonical encoding).
+    pub fn slotted(&self) -> impl Iterator<Item = (u64, &WakeItem)> {
+        self.slots.iter().copied().zip(self.queued.iter())
+    }
+
+    /// Items changed since the last call, by slot (`None`: taken from the queue).
+    pub fn drain_item_changes(&mut self) -> Vec<(u64, Option<&WakeItem>)> {
+        let changed = std::mem::take(&mut self.changed_slots);
+        changed
+            .into_iter()
+            .map(|slot| {
+                let item = self.slots.binary_search(&slot).ok().map(|index| &self.queued[index]);
+                (slot, item)
+            })
+            .collect()
+    }
+
+    /// Items changed and not yet checkpointed.
+    pub fn changed_items_len(&self) -> usize {
+        self.changed_slots.len()
     }
 
     /// Positions of the queued items that `moved` cursors cover, in queue order: not resuming
