@@ -68,13 +68,19 @@ pub fn check_binary(binary: &Path) -> anyhow::Result<()> {
 impl EngineProcess {
     /// Starts `binary serve` with a config of no agents (the load registers its agents through
     /// `Ingest.Append`) and waits until it serves.
-    pub async fn start(binary: &Path, backend: LogBackend, nats: Option<NatsServer>) -> anyhow::Result<EngineProcess> {
+    pub async fn start(
+        binary: &Path,
+        backend: LogBackend,
+        nats: Option<NatsServer>,
+        extra_config: &str,
+    ) -> anyhow::Result<EngineProcess> {
         check_binary(binary)?;
         let dir = tempfile::Builder::new().prefix("anima-load-").tempdir().context("create a temporary data dir")?;
         let config = dir.path().join("anima.toml");
         // No tokens: every loopback caller is an admin. No memory-pass scheduler: its wakes would
         // mix into the runtime loops' claims with digests the load cannot give.
-        std::fs::write(&config, "[memoryCoherence]\ntickSeconds = 0\n").context("write the engine config")?;
+        std::fs::write(&config, format!("{extra_config}\n[memoryCoherence]\ntickSeconds = 0\n"))
+            .context("write the engine config")?;
         let stderr_path = dir.path().join("engine.stderr");
         let stderr = std::fs::File::create(&stderr_path).context("create the engine's stderr file")?;
         let mut command = Command::new(binary);

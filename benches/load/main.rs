@@ -98,6 +98,10 @@ struct Args {
     /// engine whose memory grows with history must not take it down.
     #[arg(long, default_value_t = 6144)]
     rss_limit_mib: u64,
+    /// A TOML file whose contents are added to the engine's config (e.g. a `[runner]` table with
+    /// `memory_budget_mib`), to run the load against other settings.
+    #[arg(long)]
+    engine_config: Option<std::path::PathBuf>,
     /// Write a self-contained SVG chart of the run (ops/s, Send p99, fold lag, RSS) here.
     #[arg(long)]
     chart: Option<PathBuf>,
@@ -192,7 +196,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let LogBackend::JetStream(url) = &backend {
         eprintln!("anima-load: JetStream at {url}");
     }
-    let mut engine = EngineProcess::start(&binary, backend, nats).await?;
+    let extra_config = match &args.engine_config {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?,
+        None => String::new(),
+    };
+    let mut engine = EngineProcess::start(&binary, backend, nats, &extra_config).await?;
     eprintln!(
         "anima-load: engine pid {} serving gRPC on {}, metrics on {}",
         engine.pid, engine.grpc_addr, engine.metrics_addr

@@ -53,6 +53,11 @@ pub struct MaintainedAnalytics {
 }
 
 impl MaintainedAnalytics {
+    /// The newest seq counted (0: none).
+    pub fn counted_seq(&self) -> u64 {
+        self.buckets.last_key_value().map_or(0, |(_, bucket)| bucket.last_seq)
+    }
+
     /// Counts one event the fold has just applied, with the verdict it recorded (if any).
     pub fn observe(&mut self, seq: u64, log_time_ns: i64, subject: &str, payload: &[u8], verdict: Option<&Verdict>) {
         let event = Redactor::schema().redact(seq, log_time_ns, subject, payload);
@@ -311,13 +316,18 @@ pub async fn answer_counts(
     width: TimeBucket,
 ) -> Result<(u64, u64, AnalyticsCounts), crate::replay::ReplayError> {
     if let Some(projection) = projection {
-        let (from, mut to) = replayer.resolve(range).await?;
+        let (from, to) = replayer.resolve(range).await?;
         if range.to.is_none() {
             // "Up to now" is what the fold has counted: a moment behind the log under load,
-            // never a wait for it (and never a refold because the fold was busy).
-            to = to.min(projection.applied_seq());
-        }
-        if from > to || projection.wait_applied(to, COUNTED_WAIT).await.is_ok() {
+            // never a wait for it, and read under the same lock as the counts (the fold goes on
+            // counting meanwhile; an end read before would fall inside its newest bucket and
+            // send the answer to a refold of the whole log).
+            let analytics = projection.analytics();
+            let to = to.min(analytics.counted_seq());
+            if let Some(counts) = analytics.counts(from, to, width, to) {
+                return Ok((from, to, counts));
+            }
+        } else if from > to || projection.wait_applied(to, COUNTED_WAIT).await.is_ok() {
             let answered = projection.analytics().counts(from, to, width, projection.applied_seq());
             if let Some(counts) = answered {
                 return Ok((from, to, counts));

@@ -129,12 +129,13 @@ impl CheckpointStore {
     }
 
     /// Writes changed entries (state and analytics counters), the fold version and the stream
-    /// identity in one batch, flushed.
+    /// identity in one batch (flushed when `durable`).
     pub async fn write(
         &self,
         stream_identity: &str,
         changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
         analytics_changes: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+        durable: bool,
     ) -> Result<(), CheckpointError> {
         if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(CheckpointError::Injected);
@@ -160,21 +161,27 @@ impl CheckpointStore {
             }
             batch.insert(FOLD_VERSION_KEY, &FOLD_VERSION.to_be_bytes()[..]);
             batch.insert(STREAM_KEY, stream_identity.as_bytes());
-            // Applied only while this runner still owns the checkpoint (see EPOCH_KEY).
-            let applied = tree.transaction(|tx| {
-                let stored = tx.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch);
+            // Applied only while this runner still owns the checkpoint (see EPOCH_KEY): the
+            // epoch is read and the batch applied under the process's epoch guard, which a
+            // restore takes too, so no restore can come between the check and the write. (Two
+            // processes never share a data dir: sled locks it.) A plain batch, not a sled
+            // transaction: a transaction reads every key it writes and buffers the whole write
+            // set, which under load cost more CPU and memory than the rest of the checkpoint.
+            {
+                let _guard = EPOCH_GUARD.lock().unwrap_or_else(|p| p.into_inner());
+                let stored = tree.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch);
                 if own != 0 && stored != own {
-                    return sled::transaction::abort(CheckpointError::Superseded { own, stored });
+                    return Err(CheckpointError::Superseded { own, stored });
                 }
-                tx.apply_batch(&batch)?;
-                Ok(())
-            });
-            match applied {
-                Ok(()) => {}
-                Err(sled::transaction::TransactionError::Abort(e)) => return Err(e),
-                Err(sled::transaction::TransactionError::Storage(e)) => return Err(e.into()),
+                tree.apply_batch(batch)?;
             }
-            db.flush()?;
+            // Not flushed here: sled writes its buffers out within its flush interval, and a
+            // checkpoint lost to a crash only means the restart refolds a little more of the log
+            // (sled recovers a prefix of its batches, so what is restored is one whole
+            // checkpoint). The last checkpoint of a stopping runner is flushed.
+            if durable {
+                db.flush()?;
+            }
             Ok(())
         })
         .await
@@ -227,7 +234,11 @@ impl anima_projections::cold::ColdStore for SledCold {
 }
 
 /// Takes the next epoch of the checkpoint in `tree` and makes it durable.
+/// Held while an epoch is taken and while a write checks it and applies (see EPOCH_KEY).
+static EPOCH_GUARD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn take_epoch(tree: &sled::Tree, db: &sled::Db) -> Result<u64, CheckpointError> {
+    let _guard = EPOCH_GUARD.lock().unwrap_or_else(|p| p.into_inner());
     let next =
         tree.update_and_fetch(EPOCH_KEY, |old| Some((old.map_or(0, decode_epoch) + 1).to_be_bytes().to_vec()))?;
     db.flush()?;

@@ -44,10 +44,10 @@ pub struct RunnerConfig {
 impl Default for RunnerConfig {
     fn default() -> Self {
         RunnerConfig {
-            checkpoint_every_events: 10_000,
+            checkpoint_every_events: 2_000,
             checkpoint_interval: Duration::from_secs(5),
             body_cache_bytes_max: 64 * 1024 * 1024,
-            apply_batch_events_max: 4_096,
+            apply_batch_events_max: 256,
             state_bytes_max: 576 * 1024 * 1024,
         }
     }
@@ -268,7 +268,7 @@ async fn run(
     }
     result?;
     let changes = drain_changes(&projection);
-    write_checkpoint(&checkpoints, &stream_identity, changes).await?;
+    write_checkpoint(&checkpoints, &stream_identity, changes, true).await?;
     tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
 }
@@ -323,7 +323,9 @@ async fn follow_and_apply(
             let changes = drain_changes(projection);
             let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.to_owned());
             *writing =
-                Some(tokio::spawn(async move { write_checkpoint(&checkpoints, &stream_identity, changes).await }));
+                Some(tokio::spawn(
+                    async move { write_checkpoint(&checkpoints, &stream_identity, changes, false).await },
+                ));
             since_checkpoint = 0;
             last_checkpoint = Instant::now();
         }
@@ -389,8 +391,19 @@ type Changes = (Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<(Vec<u8>, Option<Vec<u8>>)>
 /// Drains both change sets at one point of the fold (only the runner applies, and it is here),
 /// so the checkpoint's counters cover exactly the events its state has applied.
 fn drain_changes(projection: &Projection) -> Changes {
+    let started = Instant::now();
     let state = projection.state().drain_changes();
     let analytics = projection.analytics().drain_changes();
+    if tracing::enabled!(tracing::Level::TRACE) {
+        let mut by_tag = std::collections::BTreeMap::<u8, (usize, usize)>::new();
+        for (key, value) in &state {
+            let entry = by_tag.entry(key[0]).or_default();
+            entry.0 += 1;
+            entry.1 += usize::from(value.is_none());
+        }
+        tracing::trace!(?by_tag, "checkpoint entries by table tag (entries, removals)");
+    }
+    tracing::debug!(entries = state.len(), drain_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint drained");
     (state, analytics)
 }
 
@@ -398,8 +411,14 @@ async fn write_checkpoint(
     checkpoints: &CheckpointStore,
     stream_identity: &str,
     (changes, analytics): Changes,
+    durable: bool,
 ) -> Result<(), RunnerError> {
-    checkpoints.write(stream_identity, changes, analytics).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))
+    let started = Instant::now();
+    let entries = changes.len();
+    let bytes: usize = changes.iter().map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len)).sum();
+    let written = checkpoints.write(stream_identity, changes, analytics, durable).await;
+    tracing::debug!(entries, bytes, write_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint written");
+    written.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }
 
 #[cfg(test)]

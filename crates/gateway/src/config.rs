@@ -269,7 +269,7 @@ fn default_replicas() -> usize {
     1
 }
 fn default_checkpoint_every_events() -> u64 {
-    10_000
+    2_000
 }
 fn default_checkpoint_interval_ms() -> u64 {
     5_000

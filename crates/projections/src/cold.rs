@@ -76,6 +76,36 @@ impl std::fmt::Debug for Cold {
     }
 }
 
+/// How a table's keys map to checkpoint keys. Most tables store each key as itself; a table
+/// that keeps a sliding window of ordinals (the newest rows of a surface, its dedupe window)
+/// stores ordinal `n` in slot `n % window`, so the entry that enters the window overwrites the
+/// one that leaves it: one write instead of an insert and a removal. The value then carries
+/// the ordinal, and a slot read back answers for a key only if its ordinal matches.
+pub trait Slots<K, V> {
+    /// The checkpoint key of `key` (its slot).
+    fn slot(key: &K) -> K;
+    /// Whether the stored `value` is the one of `key` (not an older occupant of its slot).
+    fn holds(key: &K, value: &V) -> bool;
+    /// The key of a value read from `slot`.
+    fn key_of(slot: K, value: &V) -> K;
+}
+
+/// Every key stored as itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnKeys;
+
+impl<K: Clone, V> Slots<K, V> for OwnKeys {
+    fn slot(key: &K) -> K {
+        key.clone()
+    }
+    fn holds(_: &K, _: &V) -> bool {
+        true
+    }
+    fn key_of(slot: K, _: &V) -> K {
+        slot
+    }
+}
+
 /// An ordered table whose clean entries may be let go and read back from the checkpoint store.
 ///
 /// In memory a key is present (`Some`), known absent (`None`: removed, or looked up and not
@@ -83,7 +113,7 @@ impl std::fmt::Debug for Cold {
 /// from the store, and only by [`ColdTable::ensure`]. While every entry is in memory
 /// (`complete`, e.g. a state folded from the log without a store) reads need no `ensure`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ColdTable<K: Ord + Clone, V> {
+pub struct ColdTable<K: Ord + Clone, V, S = OwnKeys> {
     map: BTreeMap<K, Option<V>>,
     dirty: BTreeSet<K>,
     /// Present entries in memory.
@@ -92,29 +122,43 @@ pub struct ColdTable<K: Ord + Clone, V> {
     complete: bool,
     /// Where the last [`ColdTable::evict`] stopped, so the next one goes on from there.
     hand: Option<K>,
+    slots: std::marker::PhantomData<S>,
 }
 
-impl<K: Ord + Clone, V> Default for ColdTable<K, V> {
+impl<K: Ord + Clone, V, S> Default for ColdTable<K, V, S> {
     fn default() -> Self {
-        ColdTable { map: BTreeMap::new(), dirty: BTreeSet::new(), present: 0, complete: true, hand: None }
+        ColdTable {
+            map: BTreeMap::new(),
+            dirty: BTreeSet::new(),
+            present: 0,
+            complete: true,
+            hand: None,
+            slots: std::marker::PhantomData,
+        }
     }
 }
 
-impl<K, V> ColdTable<K, V>
+impl<K, V, S> ColdTable<K, V, S>
 where
     K: Ord + Clone + Serialize + for<'de> Deserialize<'de>,
     V: Serialize + for<'de> Deserialize<'de>,
+    S: Slots<K, V>,
 {
+    /// Reads `key` from the store: the value in its slot, if it is the key's.
+    fn read_stored(tag: u8, key: &K, cold: &Cold) -> Option<V> {
+        let bytes = cold.get(&crate::state::tagged(tag, &S::slot(key)))?;
+        let value = postcard::from_bytes::<V>(&bytes)
+            .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"));
+        S::holds(key, &value).then_some(value)
+    }
+
     /// Brings `key` into memory from the store if it is unknown, so that [`ColdTable::get`]
     /// answers for it. `tag` is the table's checkpoint tag.
     pub fn ensure(&mut self, tag: u8, key: &K, cold: &Cold) {
         if self.complete || self.map.contains_key(key) {
             return;
         }
-        let value = cold.get(&crate::state::tagged(tag, key)).map(|bytes| {
-            postcard::from_bytes::<V>(&bytes)
-                .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"))
-        });
+        let value = Self::read_stored(tag, key, cold);
         if value.is_some() {
             self.present += 1;
         }
@@ -161,10 +205,7 @@ where
         match self.map.get(key) {
             Some(value) => value.clone(),
             None if self.complete => None,
-            None => cold.get(&crate::state::tagged(tag, key)).map(|bytes| {
-                postcard::from_bytes::<V>(&bytes)
-                    .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"))
-            }),
+            None => Self::read_stored(tag, key, cold),
         }
     }
 
@@ -218,11 +259,11 @@ where
         let mut out: BTreeMap<K, Option<V>> = BTreeMap::new();
         if !self.complete {
             for (key, value) in cold.scan(&[tag]) {
-                let key = postcard::from_bytes::<K>(&key[1..])
+                let slot = postcard::from_bytes::<K>(&key[1..])
                     .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e})"));
                 let value = postcard::from_bytes::<V>(&value)
                     .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e})"));
-                out.insert(key, Some(value));
+                out.insert(S::key_of(slot, &value), Some(value));
             }
         }
         for (key, value) in &self.map {
@@ -231,20 +272,27 @@ where
         out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
     }
 
-    /// The keys changed since the last call, with their current value (`None`: removed).
+    /// The checkpoint keys changed since the last call, with their current value (`None`:
+    /// removed). A removal whose slot a new entry takes in the same checkpoint is not written.
     pub fn drain_changes(&mut self) -> Vec<(K, Option<&V>)> {
         let dirty = std::mem::take(&mut self.dirty);
-        dirty
-            .into_iter()
-            .map(|key| {
-                let value = self.map.get(&key).and_then(Option::as_ref);
-                (key, value)
-            })
-            .collect()
+        let mut out: BTreeMap<K, Option<&V>> = BTreeMap::new();
+        for key in dirty {
+            let value = self.map.get(&key).and_then(Option::as_ref);
+            let slot = S::slot(&key);
+            match out.get(&slot) {
+                Some(Some(_)) if value.is_none() => {}
+                _ => {
+                    out.insert(slot, value);
+                }
+            }
+        }
+        out.into_iter().collect()
     }
 
-    /// Loads an entry from a checkpoint; not marked changed.
-    pub fn load(&mut self, key: K, value: V) {
+    /// Loads an entry from a checkpoint (by its checkpoint key); not marked changed.
+    pub fn load(&mut self, slot: K, value: V) {
+        let key = S::key_of(slot, &value);
         if self.map.insert(key, Some(value)).flatten().is_none() {
             self.present += 1;
         }

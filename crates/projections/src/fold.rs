@@ -74,7 +74,9 @@ impl State {
             None => return,
         };
         self.verdicts.insert(at.seq, verdict);
-        while self.verdicts.len() > VERDICTS_KEPT_MAX {
+        // The window is one of sequences, not of verdicts (some events record none): two kept
+        // verdicts never share a checkpoint slot (seq modulo the window).
+        while self.verdicts.first_key().is_some_and(|first| *first + VERDICTS_KEPT_MAX as u64 <= at.seq) {
             self.verdicts.pop_first();
         }
     }
@@ -384,11 +386,11 @@ impl State {
         let ts = row.ts.clone();
         self.push_row(surface, row);
         self.identities.insert((surface, ts.clone()), ordinal);
-        self.identity_order.insert((surface, ordinal), ts);
+        self.identity_order.insert((surface, ordinal), (ordinal, ts));
         if ordinal > IDENTITIES_PER_SURFACE_MAX {
             let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
             self.identity_order.ensure(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
-            if let Some(old_ts) = self.identity_order.remove(&oldest) {
+            if let Some((_, old_ts)) = self.identity_order.remove(&oldest) {
                 self.identities.forget((surface, old_ts));
             }
         }

@@ -24,8 +24,9 @@ pub const FOLD_VERSION: u32 = 11;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
-/// Verdicts kept, newest by sequence. A handler reads its verdict right after the fold applied
-/// its request; a retry long after gets the same answer only within this window.
+/// Verdicts kept: those of the newest this many log sequences. A handler reads its verdict right
+/// after the fold applied its request; a retry long after gets the same answer only within this
+/// window.
 pub const VERDICTS_KEPT_MAX: usize = 65_536;
 /// Message identities remembered per surface for dedupe, on top of the log's own window.
 pub const IDENTITIES_PER_SURFACE_MAX: u64 = 5_000;
@@ -80,11 +81,11 @@ pub struct State {
     pub journals: Table<SurfaceKey, SurfaceJournal>,
     /// (surface, ordinal) → the row's metadata, for the newest [`crate::journal::RECENT_ROWS_MAX`]
     /// rows of each surface. Cold: rows of idle surfaces leave memory under the budget.
-    pub journal_rows: ColdTable<(SurfaceKey, u64), crate::journal::RowMeta>,
+    pub journal_rows: ColdTable<(SurfaceKey, u64), crate::journal::RowMeta, RowSlots>,
     /// (surface, ts) → ordinal, the dedupe window of message identities. Cold.
     pub identities: ColdTable<(SurfaceKey, String), u64>,
-    /// (surface, ordinal) → ts, to evict the oldest identity of a surface. Cold.
-    pub identity_order: ColdTable<(SurfaceKey, u64), String>,
+    /// (surface, ordinal) → (ordinal, ts), to evict the oldest identity of a surface. Cold.
+    pub identity_order: ColdTable<(SurfaceKey, u64), (u64, String), IdentitySlots>,
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
@@ -131,6 +132,39 @@ const HOT_ENTRY_BYTES: usize = 160;
 /// What one queued or active wake takes, roughly (its item, trigger row and surfaces).
 const QUEUED_WAKE_BYTES: usize = 640;
 
+/// Journal rows are checkpointed in slots of the window ([`crate::cold::Slots`]): the row that
+/// enters a surface's window overwrites the one that leaves it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowSlots;
+
+impl crate::cold::Slots<(SurfaceKey, u64), crate::journal::RowMeta> for RowSlots {
+    fn slot(&(surface, ordinal): &(SurfaceKey, u64)) -> (SurfaceKey, u64) {
+        (surface, ordinal % crate::journal::RECENT_ROWS_MAX as u64)
+    }
+    fn holds(&(_, ordinal): &(SurfaceKey, u64), row: &crate::journal::RowMeta) -> bool {
+        row.ordinal == ordinal
+    }
+    fn key_of((surface, _): (SurfaceKey, u64), row: &crate::journal::RowMeta) -> (SurfaceKey, u64) {
+        (surface, row.ordinal)
+    }
+}
+
+/// The order of a surface's dedupe window is checkpointed in slots of the window likewise.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IdentitySlots;
+
+impl crate::cold::Slots<(SurfaceKey, u64), (u64, String)> for IdentitySlots {
+    fn slot(&(surface, ordinal): &(SurfaceKey, u64)) -> (SurfaceKey, u64) {
+        (surface, ordinal % IDENTITIES_PER_SURFACE_MAX)
+    }
+    fn holds(&(_, ordinal): &(SurfaceKey, u64), &(stored, _): &(u64, String)) -> bool {
+        stored == ordinal
+    }
+    fn key_of((surface, _): (SurfaceKey, u64), &(ordinal, _): &(u64, String)) -> (SurfaceKey, u64) {
+        (surface, ordinal)
+    }
+}
+
 /// A checkpoint entry that does not decode: the checkpoint is unusable, rebuild from the log.
 #[derive(Debug, thiserror::Error)]
 #[error("checkpoint entry does not decode ({table}): {reason}")]
@@ -158,6 +192,20 @@ macro_rules! state_tables {
                         out.push((tagged($ctag, &key), value.map(encode)));
                     }
                 )*
+                // Verdicts in slots of their window: the newest overwrites the one it pushes out.
+                let mut verdict_slots = std::collections::BTreeMap::new();
+                for (seq, verdict) in self.verdicts.drain_changes() {
+                    let slot = seq % VERDICTS_KEPT_MAX as u64;
+                    match (verdict_slots.get(&slot), verdict) {
+                        (Some(Some(_)), None) => {}
+                        (_, verdict) => {
+                            verdict_slots.insert(slot, verdict.map(|verdict| encode(&(seq, verdict))));
+                        }
+                    }
+                }
+                for (slot, value) in verdict_slots {
+                    out.push((tagged(VERDICTS_TAG, &slot.to_be_bytes()), value));
+                }
                 // A queue: its header, and each item that changed under its own key.
                 self.queues.drain_changes_mut(|agent, queue| {
                     let Some(queue) = queue else { return };
@@ -183,6 +231,10 @@ macro_rules! state_tables {
                     $(
                         $ctag => self.$cfield.load(decode(stringify!($cfield), rest)?, decode(stringify!($cfield), value)?),
                     )*
+                    VERDICTS_TAG => {
+                        let (seq, verdict): (u64, Verdict) = decode("verdicts", value)?;
+                        self.verdicts.load(seq, verdict);
+                    }
                     QUEUES_TAG => {
                         let agent: String = decode("queues", rest)?;
                         self.queues.load_mut(agent).load_header(decode("queues", value)?);
@@ -209,6 +261,12 @@ macro_rules! state_tables {
                         out.extend(encode(value));
                     }
                 )*
+                out.push(VERDICTS_TAG);
+                out.extend(encode(&(self.verdicts.len() as u64)));
+                for (seq, verdict) in self.verdicts.iter() {
+                    out.extend(encode(seq));
+                    out.extend(encode(verdict));
+                }
                 out.push(QUEUES_TAG);
                 out.extend(encode(&(self.queues.len() as u64)));
                 for (agent, queue) in self.queues.iter() {
@@ -234,7 +292,7 @@ macro_rules! state_tables {
 
             /// Entries not yet checkpointed.
             pub fn changed_len(&self) -> usize {
-                0 $(+ self.$field.changed_len())* $(+ self.$cfield.changed_len())*
+                0 $(+ self.$field.changed_len())* $(+ self.$cfield.changed_len())* + self.verdicts.changed_len()
                     + self.queues.changed_len()
                     + self.queues.iter().map(|(_, queue)| queue.changed_items_len()).sum::<usize>()
             }
@@ -270,6 +328,7 @@ macro_rules! state_tables {
                     $( $tag => Some(stringify!($field)), )*
                     $( $ctag => Some(stringify!($cfield)), )*
                     QUEUES_TAG => Some("queues"),
+                    VERDICTS_TAG => Some("verdicts"),
                     QUEUE_ITEMS_TAG => Some("queue_items"),
                     _ => None,
                 }
@@ -285,7 +344,6 @@ state_tables! {
     6 => cursors,
     8 => settled,
     // 9 held the settle order before `settled` kept it in its key.
-    10 => verdicts,
     11 => subscriptions,
     12 => chat_identities,
     13 => chat_kinds,
@@ -309,6 +367,8 @@ state_tables! {
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
 const QUEUES_TAG: u8 = 7;
+/// Verdicts: slot (seq modulo the window, big-endian) → (seq, verdict).
+const VERDICTS_TAG: u8 = 10;
 const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;

@@ -202,14 +202,14 @@ async fn a_replaced_runner_cannot_write_over_its_successor() {
     let identity = log.identity();
     let old = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
     old.restore(&identity).await.expect("restore");
-    old.write(&identity, vec![], vec![]).await.expect("the owner writes");
+    old.write(&identity, vec![], vec![], true).await.expect("the owner writes");
     let new = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
     new.restore(&identity).await.expect("restore");
     let seq_before = new.checkpointed_seq().expect("seq");
-    let refused = old.write(&identity, vec![(vec![0], Some(vec![1, 2, 3]))], vec![]).await;
+    let refused = old.write(&identity, vec![(vec![0], Some(vec![1, 2, 3]))], vec![], true).await;
     assert!(matches!(refused, Err(CheckpointError::Superseded { .. })), "{refused:?}");
     assert_eq!(new.checkpointed_seq().expect("seq"), seq_before, "the stale write applied nothing");
-    new.write(&identity, vec![], vec![]).await.expect("the successor writes");
+    new.write(&identity, vec![], vec![], true).await.expect("the successor writes");
     drop(db);
 }
 
