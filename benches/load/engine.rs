@@ -74,6 +74,18 @@ impl EngineProcess {
         nats: Option<NatsServer>,
         extra_config: &str,
     ) -> anyhow::Result<EngineProcess> {
+        Self::start_on(binary, backend, nats, extra_config, None).await
+    }
+
+    /// As [`EngineProcess::start`], on the data dir `data` when given (kept afterwards) instead
+    /// of a fresh one.
+    pub async fn start_on(
+        binary: &Path,
+        backend: LogBackend,
+        nats: Option<NatsServer>,
+        extra_config: &str,
+        data: Option<&Path>,
+    ) -> anyhow::Result<EngineProcess> {
         check_binary(binary)?;
         let dir = tempfile::Builder::new().prefix("anima-load-").tempdir().context("create a temporary data dir")?;
         let config = dir.path().join("anima.toml");
@@ -89,7 +101,7 @@ impl EngineProcess {
             .arg("--config")
             .arg(&config)
             .arg("--data")
-            .arg(dir.path().join("data"))
+            .arg(data.map_or_else(|| dir.path().join("data"), Path::to_path_buf))
             .arg("--listen")
             .arg("127.0.0.1:0")
             .arg("--metrics-listen")

@@ -211,12 +211,18 @@ impl Runner {
         shutdown: CancellationToken,
     ) -> Result<Runner, RunnerError> {
         let stream_identity = log.identity();
+        let restoring = Instant::now();
         let mut state =
             checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         state.attach_cold(Cold::new(Arc::new(SledCold::new(&checkpoints))));
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
-        tracing::info!(seq = start_seq, fold_version = FOLD_VERSION, "projection restored");
+        tracing::info!(
+            seq = start_seq,
+            fold_version = FOLD_VERSION,
+            restore_ms = restoring.elapsed().as_secs_f64() * 1e3,
+            "projection restored"
+        );
         let (applied, _) = watch::channel(start_seq);
         let projection = Arc::new(Projection {
             state: Mutex::new(state),

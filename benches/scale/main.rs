@@ -1,0 +1,342 @@
+//! `anima-scale`: the scale figure. A history of many events over many surfaces and agents is
+//! written straight into an embedded data dir (through the engine's own log and runner, which
+//! folds and checkpoints it as `serve` would), then the real `anima-wake serve` is started on it
+//! and measured: time from spawn to serving (restart from the checkpoint), RSS after start and
+//! after the sends, and the p50 of sequential `Sends.Send` calls. The same is measured on an
+//! engine whose log holds only the registrations ("empty"), in the same run, and the Send p50s
+//! are reported as a ratio.
+
+#[path = "../load/engine.rs"]
+#[allow(dead_code)]
+mod engine;
+#[path = "../load/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anima_engine::instance::{Backend, Instance, InstanceConfig};
+use anima_engine::log::embedded::EmbeddedConfig;
+use anima_engine::log::AppendRecord;
+use anima_engine::subject;
+use anima_gateway::api;
+use anima_gateway::api::sends_client::SendsClient;
+use anima_projections::proto::{self, envelope::Payload};
+use anyhow::Context as _;
+use clap::Parser;
+use prost::Message;
+
+use crate::engine::{rss_kib, EngineProcess, LogBackend};
+
+/// Events appended per log batch while the history is written.
+const APPEND_CHUNK: usize = 5_000;
+/// DM surfaces per agent; the rest of the surfaces are shared channels.
+const TEAM: &str = "T0SCALE";
+
+#[derive(Debug, Parser)]
+#[command(name = "anima-scale")]
+struct Args {
+    /// The `anima-wake` binary (default: the one next to this executable).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+    /// Events in the history (registrations included).
+    #[arg(long, default_value_t = 1_000_000)]
+    events: usize,
+    /// Surfaces the messages are spread over (DMs, each of one agent).
+    #[arg(long, default_value_t = 100_000)]
+    surfaces: usize,
+    /// Agents registered.
+    #[arg(long, default_value_t = 10_000)]
+    agents: usize,
+    /// Sequential `Sends.Send` calls measured on each engine.
+    #[arg(long, default_value_t = 2_000)]
+    sends: usize,
+    /// Keep the two data dirs here (`DIR/full`, `DIR/empty`); when they exist already (written
+    /// by an earlier run with the same arguments) they are measured as they are.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The engine's `[runner] memory_budget_mib` for both engines.
+    #[arg(long, default_value_t = 1024)]
+    memory_budget_mib: u64,
+}
+
+/// A small seeded generator (SplitMix64): the history is the same for the same arguments.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n
+    }
+}
+
+fn dm_of(surface: usize, agents: usize) -> (usize, String) {
+    (surface % agents, format!("D{surface:08}"))
+}
+
+fn record(subject: String, id: String, payload: Payload) -> AppendRecord {
+    let envelope = proto::Envelope {
+        event_id: id.clone(),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "anima-scale".into(),
+        payload: Some(payload),
+    };
+    AppendRecord { subject, msg_id: id, payload: envelope.encode_to_vec().into() }
+}
+
+fn registration(agent: usize) -> AppendRecord {
+    let id = format!("a{agent}");
+    record(
+        subject::agent_subject(&id),
+        format!("reg-{agent}"),
+        Payload::AgentRegistered(proto::AgentRegistered {
+            agent_id: id,
+            slack_bot_user_id: format!("UB{agent:07}"),
+            display_name: format!("Agent {agent}"),
+            ..Default::default()
+        }),
+    )
+}
+
+/// Event `n` of the history after the registrations: mostly people writing into DMs, some sends
+/// by the DM's agent into it.
+fn history_event(n: usize, random: &mut SplitMix, args: &Args) -> AppendRecord {
+    let surface = random.below(args.surfaces as u64) as usize;
+    let (agent, channel) = dm_of(surface, args.agents);
+    if random.below(10) == 0 {
+        let send = proto::SendRequested {
+            agent_id: format!("a{agent}"),
+            target: Some(proto::ReplyTarget {
+                target: Some(proto::reply_target::Target::Slack(proto::SlackTarget {
+                    team_id: TEAM.into(),
+                    channel_id: channel.clone(),
+                    thread_ts: String::new(),
+                })),
+            }),
+            kind: proto::SendKind::Message as i32,
+            draft_bytes: 80,
+        };
+        return record(subject::slack_surface_subject(TEAM, &channel, None), format!("h-{n}"), Payload::Send(send));
+    }
+    let message = proto::SlackMessageObserved {
+        receiving_agent_id: format!("a{agent}"),
+        kind: proto::SlackDeliveryKind::Message as i32,
+        team_id: TEAM.into(),
+        channel_id: channel.clone(),
+        ts: format!("{}.{:06}", 1_700_000_000 + n / 1_000, n % 1_000),
+        user_id: format!("U{:05}", random.below(50_000)),
+        user_name: "someone".into(),
+        text: format!("message {n} about the deploy"),
+        ..Default::default()
+    };
+    record(subject::slack_surface_subject(TEAM, &channel, None), format!("h-{n}"), Payload::SlackMessage(message))
+}
+
+/// Agents whose wakes are worked after each appended chunk: claimed, started with the plan the
+/// claim handed out, finished — so queues stay as short as a working fleet keeps them.
+const WORKED_PER_CHUNK: usize = 1_000;
+
+/// Appends `records` and waits until the fold applied them; returns their seqs.
+async fn append_folded(instance: &Instance, records: Vec<AppendRecord>) -> anyhow::Result<Vec<u64>> {
+    let appended = instance.engine.log().append_batch(records).await.context("append")?;
+    let seqs: Vec<u64> = appended.iter().map(|a| a.seq()).collect();
+    if let Some(last) = seqs.iter().max() {
+        instance.engine.projection().wait_applied(*last, Duration::from_secs(300)).await?;
+    }
+    Ok(seqs)
+}
+
+/// One round of work for `agents`: a claim each, then a start of every wake claimed, then a
+/// finish of every wake started.
+async fn work_wakes(instance: &Instance, agents: impl Iterator<Item = usize>, round: usize) -> anyhow::Result<()> {
+    use anima_projections::verdict::{ClaimVerdict, Verdict};
+    let claims: Vec<(String, AppendRecord)> = agents
+        .map(|agent| {
+            let id = format!("a{agent}");
+            let claim = proto::WakeClaimRequested { agent_id: id.clone(), worker_id: "w".into(), ..Default::default() };
+            let record = record(subject::agent_subject(&id), format!("c-{round}-{agent}"), Payload::WakeClaim(claim));
+            (id, record)
+        })
+        .collect();
+    let (ids, records): (Vec<String>, Vec<AppendRecord>) = claims.into_iter().unzip();
+    let seqs = append_folded(instance, records).await?;
+    let mut starts = Vec::new();
+    let mut finishes = Vec::new();
+    {
+        let state = instance.engine.projection().state();
+        for (id, seq) in ids.iter().zip(seqs) {
+            if let Some(Verdict::Claim(ClaimVerdict::Claimed(claimed))) = state.verdict(seq) {
+                let item_id = claimed.item.id.clone();
+                let start = proto::WakeStartRequested {
+                    agent_id: id.clone(),
+                    worker_id: "w".into(),
+                    item_id: item_id.clone(),
+                    plan: claimed.plan.iter().map(|p| p.to_plan_surface()).collect(),
+                };
+                starts.push(record(subject::agent_subject(id), format!("s-{round}-{id}"), Payload::WakeStart(start)));
+                let finish = proto::WakeFinishRequested {
+                    agent_id: id.clone(),
+                    worker_id: "w".into(),
+                    item_id,
+                    outcome: proto::WakeOutcome::Completed as i32,
+                    ..Default::default()
+                };
+                finishes.push(record(
+                    subject::agent_subject(id),
+                    format!("f-{round}-{id}"),
+                    Payload::WakeFinish(finish),
+                ));
+            }
+        }
+    }
+    if !starts.is_empty() {
+        append_folded(instance, starts).await?;
+        append_folded(instance, finishes).await?;
+    }
+    Ok(())
+}
+
+/// Writes the history into `data` through the engine's log and runner, waits until it is folded
+/// and checkpointed, and closes the data dir.
+async fn write_history(data: &Path, args: &Args, events: usize) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let instance = Instance::start(InstanceConfig::new(data, Backend::Embedded(EmbeddedConfig::default())))
+        .await
+        .context("open the data dir")?;
+    let mut random = SplitMix(0x5ca1e);
+    let mut batch = Vec::with_capacity(APPEND_CHUNK);
+    let mut reported = Instant::now();
+    let mut round = 0;
+    let mut written = 0;
+    while written < events {
+        let n = written;
+        batch.push(if n < args.agents { registration(n) } else { history_event(n, &mut random, args) });
+        written += 1;
+        if batch.len() == APPEND_CHUNK || written == events {
+            append_folded(&instance, std::mem::take(&mut batch)).await?;
+            if n >= args.agents && written < events {
+                let first = round * WORKED_PER_CHUNK;
+                let agents = (first..first + WORKED_PER_CHUNK.min(args.agents)).map(|a| a % args.agents);
+                work_wakes(&instance, agents, round).await?;
+                round += 1;
+            }
+            if reported.elapsed() >= Duration::from_secs(5) {
+                eprintln!("  … {written} of {events} events written and folded");
+                reported = Instant::now();
+            }
+        }
+    }
+    eprintln!(
+        "  the log holds {} events: {events} of history and the claims, starts and finishes of {round} rounds of work",
+        instance.engine.projection().applied_seq()
+    );
+    instance.close(Duration::from_secs(60)).await.context("close the data dir")?;
+    Ok(started.elapsed())
+}
+
+struct Measured {
+    start: Duration,
+    rss_started_mib: f64,
+    rss_after_mib: f64,
+    send_p50_ms: f64,
+    send_p99_ms: f64,
+}
+
+/// Starts `anima-wake serve` on `data`, times it to serving, and measures sequential Sends.
+async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Measured> {
+    let config = format!("[runner]\nmemory_budget_mib = {}\n", args.memory_budget_mib);
+    let started = Instant::now();
+    let engine = EngineProcess::start_on(binary, LogBackend::Embedded, None, &config, Some(data)).await?;
+    let start = started.elapsed();
+    let rss_started_mib = rss_kib(engine.pid).unwrap_or(0) as f64 / 1024.0;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", engine.grpc_addr))?.connect().await?;
+    let mut sends = SendsClient::new(channel);
+    let mut random = SplitMix(0x5e4d);
+    let mut latencies = Vec::with_capacity(args.sends);
+    for _ in 0..args.sends {
+        let (agent, channel) = dm_of(random.below(args.surfaces as u64) as usize, args.agents);
+        let request = api::SendRequest {
+            agent_id: format!("a{agent}"),
+            target: Some(api::ReplyTarget {
+                target: Some(api::reply_target::Target::Slack(api::SlackTarget {
+                    team_id: TEAM.into(),
+                    channel_id: channel,
+                    thread_ts: String::new(),
+                })),
+            }),
+            kind: api::SendKind::Message as i32,
+            draft_bytes: 80,
+            request_id: String::new(),
+        };
+        let sent = Instant::now();
+        sends.send(request).await.context("Sends.Send")?;
+        latencies.push(sent.elapsed().as_secs_f64() * 1e3);
+    }
+    latencies.sort_by(f64::total_cmp);
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    let rss_after_mib = rss_kib(engine.pid).unwrap_or(0) as f64 / 1024.0;
+    let (send_p50_ms, send_p99_ms) = (at(0.5), at(0.99));
+    engine.stop().await?;
+    Ok(Measured { start, rss_started_mib, rss_after_mib, send_p50_ms, send_p99_ms })
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.agents >= 1 && args.surfaces >= args.agents, "need at least one surface per agent");
+    anyhow::ensure!(args.events > args.agents, "the history must be longer than the registrations");
+    anyhow::ensure!(args.sends >= 1, "--sends must be at least 1");
+    let binary = match &args.binary {
+        Some(binary) => binary.clone(),
+        None => engine::default_binary()?,
+    };
+    engine::check_binary(&binary)?;
+    let temporary = tempfile::Builder::new().prefix("anima-scale-").tempdir()?;
+    let root = args.data.clone().unwrap_or_else(|| temporary.path().to_path_buf());
+    let (big, empty) = (root.join("full"), root.join("empty"));
+    if big.exists() && empty.exists() {
+        eprintln!("anima-scale: measuring the histories already in {}", root.display());
+    } else {
+        eprintln!(
+            "anima-scale: writing {} events over {} surfaces and {} agents",
+            args.events, args.surfaces, args.agents
+        );
+        let wrote = write_history(&big, &args, args.events).await?;
+        eprintln!(
+            "  written and folded in {:.1} s ({:.0} ev/s)",
+            wrote.as_secs_f64(),
+            args.events as f64 / wrote.as_secs_f64()
+        );
+        write_history(&empty, &args, args.agents).await?;
+    }
+    eprintln!("anima-scale: measuring the engine on the full history, then on the registrations only");
+    let full = measure(&binary, &big, &args).await?;
+    let bare = measure(&binary, &empty, &args).await?;
+    println!(
+        "== anima-scale ({} events, {} surfaces, {} agents, memory_budget_mib {}) ==",
+        args.events, args.surfaces, args.agents, args.memory_budget_mib
+    );
+    for (name, m) in [("full history", &full), ("registrations only", &bare)] {
+        println!(
+            "{name:>20}: spawn → serving {:.3} s, RSS at start {:.0} MiB, after {} sends {:.0} MiB, Send p50 {:.2} ms p99 {:.2} ms",
+            m.start.as_secs_f64(),
+            m.rss_started_mib,
+            args.sends,
+            m.rss_after_mib,
+            m.send_p50_ms,
+            m.send_p99_ms
+        );
+    }
+    println!(
+        "Send p50 ratio full/empty: {:.2} (target ≤ 1.2); restart {:.3} s (target ≤ 0.5 s); RSS {:.0} MiB (target ≤ 1024)",
+        full.send_p50_ms / bare.send_p50_ms,
+        full.start.as_secs_f64(),
+        full.rss_after_mib
+    );
+    Ok(())
+}
