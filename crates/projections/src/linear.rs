@@ -226,9 +226,17 @@ impl State {
         if kind == proto::LinearResponseKind::Unspecified {
             return refused(RefusalKind::InvalidArgument, "kind is unspecified");
         }
-        // A runtime answers only sessions it was given, and not after a stop.
+        // A runtime answers only sessions it was given, and not after a stop. The agent's active
+        // wake for the session is proof of receipt too: receipts are bounded, and under a long
+        // queue the receipt of a session can be forgotten before its wake is claimed.
         let session_key = (request.agent_id.clone(), request.session_id.clone());
+        let active_for_session = self
+            .queue(&request.agent_id)
+            .and_then(|queue| queue.active.as_ref())
+            .and_then(|active| active.item.linear.as_ref())
+            .is_some_and(|linear| linear.session_id == request.session_id);
         match self.linear_sessions.get(&session_key) {
+            None if active_for_session => {}
             None => {
                 return refused(
                     RefusalKind::FailedPrecondition,

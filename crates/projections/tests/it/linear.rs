@@ -424,3 +424,32 @@ fn a_response_after_a_stop_is_refused_until_a_new_prompt_arrives() {
     let seq = log.fold(respond("r2", "Continuing.", &["act-2"]));
     assert!(matches!(log.verdict(seq), Verdict::LinearResponse(r) if !r.repeated), "{:?}", log.verdict(seq));
 }
+
+#[test]
+fn the_active_wake_of_a_session_can_answer_it_after_its_receipt_was_forgotten() {
+    // Receipts are bounded; a wake that waited in a long queue is claimed after its session's
+    // receipt left the bound. The claimed wake is proof of receipt: its response is accepted.
+    let mut log = TestLog::with(&[ada(), agent("bert", "UBERT", "BBERT"), created(SESSION_A, "First prompt.")]);
+    let bound = anima_projections::linear::LINEAR_SESSIONS_MAX;
+    for n in 0..bound {
+        let mut other = created(&format!("00000000-0000-4000-8000-{n:012}"), "Another.");
+        if let Some(Payload::LinearSession(event)) = other.payload.as_mut() {
+            event.receiving_agent_id = "bert".to_owned();
+        }
+        log.fold(other);
+    }
+    assert!(
+        log.state.linear_sessions.get(&("ada".to_owned(), SESSION_A.to_owned())).is_none(),
+        "the receipt of the first session left the bound"
+    );
+    log.fold(claim("ada", "w1"));
+    let seq = log.fold(respond("r1", "Fixed it.", &[CREATED_A]));
+    assert!(matches!(log.verdict(seq), Verdict::LinearResponse(_)), "got {:?}", log.verdict(seq));
+    // Without an active wake for it, a forgotten session is refused as never received.
+    let mut other = respond("r2", "Answering B.", &[]);
+    if let Some(Payload::LinearResponse(request)) = other.payload.as_mut() {
+        request.session_id = SESSION_B.to_owned();
+    }
+    let seq = log.fold(other);
+    assert!(matches!(log.verdict(seq), Verdict::Refused(_)));
+}
