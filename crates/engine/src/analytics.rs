@@ -321,9 +321,10 @@ pub async fn answer_counts(
             // "Up to now" is what the fold has counted: a moment behind the log under load,
             // never a wait for it, and read under the same lock as the counts (the fold goes on
             // counting meanwhile; an end read before would fall inside its newest bucket and
-            // send the answer to a refold of the whole log).
+            // send the answer to a refold of the whole log). Not bounded by the log's end read
+            // above either: the fold may have counted past it since.
             let analytics = projection.analytics();
-            let to = to.min(analytics.counted_seq());
+            let to = analytics.counted_seq();
             if let Some(counts) = analytics.counts(from, to, width, to) {
                 return Ok((from, to, counts));
             }

@@ -319,10 +319,9 @@ async fn follow_and_apply(
         if let Some(done) = writing.as_mut().and_then(|w| w.now_or_never()) {
             *writing = None;
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
-        }
-        if writing.is_none() {
             // No write in flight: the checkpoint holds every clean entry's latest value, so
-            // those may leave memory now (and only now).
+            // those may leave memory now (and only now). Once per landed checkpoint: the
+            // estimate walks the queues, which is not work for every batch.
             evict_over_budget(projection, config.state_bytes_max);
         }
         if due && writing.is_none() {

@@ -165,6 +165,31 @@ where
         self.map.insert(key.clone(), value);
     }
 
+    /// Brings every key of `keys` into memory with one scan of the store's entries under
+    /// `prefix` (checkpoint-key bytes, the tag included) instead of one read per key: for keys
+    /// that share a prefix, such as the rows of one surface. Stored entries outside `keys` are
+    /// ignored; keys the scan did not find are known absent.
+    pub fn ensure_by_scan(&mut self, prefix: &[u8], keys: impl Iterator<Item = K> + Clone, cold: &Cold) {
+        if self.complete || keys.clone().all(|key| self.map.contains_key(&key)) {
+            return;
+        }
+        let wanted: BTreeSet<K> = keys.filter(|key| !self.map.contains_key(key)).collect();
+        for (stored_key, bytes) in cold.scan(prefix) {
+            let slot = postcard::from_bytes::<K>(&stored_key[1..])
+                .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e}); the fold cannot decide"));
+            let value = postcard::from_bytes::<V>(&bytes)
+                .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"));
+            let key = S::key_of(slot, &value);
+            if wanted.contains(&key) && !self.map.contains_key(&key) {
+                self.present += 1;
+                self.map.insert(key, Some(value));
+            }
+        }
+        for key in wanted {
+            self.map.entry(key).or_insert(None);
+        }
+    }
+
     /// The value of `key`. Unless the table is complete the key must have been ensured.
     pub fn get(&self, key: &K) -> Option<&V> {
         debug_assert!(self.complete || self.map.contains_key(key), "a cold key read without ensure");

@@ -175,9 +175,9 @@ impl crate::State {
     pub(crate) fn ensure_rows_after(&mut self, surface: SurfaceKey, cursor: u64) {
         let Some(journal) = self.journals.get(&surface) else { return };
         let (first, tail) = (journal.window_first().max(cursor + 1), journal.tail);
-        for ordinal in first..=tail {
-            self.journal_rows.ensure(JOURNAL_ROWS_TAG, &(surface, ordinal), &self.cold);
-        }
+        // The rows of a surface share their checkpoint-key prefix (tag, surface): one scan.
+        let prefix = crate::state::tagged(JOURNAL_ROWS_TAG, &surface);
+        self.journal_rows.ensure_by_scan(&prefix, (first..=tail).map(|ordinal| (surface, ordinal)), &self.cold);
     }
 
     /// Row `ordinal` of `surface` if it is in the window (ensured, or a complete state).
