@@ -152,6 +152,15 @@ where
         S::holds(key, &value).then_some(value)
     }
 
+    /// A stored entry (checkpoint key with its tag, value bytes) as the key it holds and its value.
+    fn decode_stored(stored_key: &[u8], bytes: &[u8]) -> (K, V) {
+        let slot = postcard::from_bytes::<K>(&stored_key[1..])
+            .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e}); the fold cannot decide"));
+        let value = postcard::from_bytes::<V>(bytes)
+            .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"));
+        (S::key_of(slot, &value), value)
+    }
+
     /// Brings `key` into memory from the store if it is unknown, so that [`ColdTable::get`]
     /// answers for it. `tag` is the table's checkpoint tag.
     pub fn ensure(&mut self, tag: u8, key: &K, cold: &Cold) {
@@ -175,11 +184,7 @@ where
         }
         let wanted: BTreeSet<K> = keys.filter(|key| !self.map.contains_key(key)).collect();
         for (stored_key, bytes) in cold.scan(prefix) {
-            let slot = postcard::from_bytes::<K>(&stored_key[1..])
-                .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e}); the fold cannot decide"));
-            let value = postcard::from_bytes::<V>(&bytes)
-                .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e}); the fold cannot decide"));
-            let key = S::key_of(slot, &value);
+            let (key, value) = Self::decode_stored(&stored_key, &bytes);
             if wanted.contains(&key) && !self.map.contains_key(&key) {
                 self.present += 1;
                 self.map.insert(key, Some(value));
@@ -283,12 +288,9 @@ where
     {
         let mut out: BTreeMap<K, Option<V>> = BTreeMap::new();
         if !self.complete {
-            for (key, value) in cold.scan(&[tag]) {
-                let slot = postcard::from_bytes::<K>(&key[1..])
-                    .unwrap_or_else(|e| panic!("a checkpoint key does not decode ({e})"));
-                let value = postcard::from_bytes::<V>(&value)
-                    .unwrap_or_else(|e| panic!("a checkpoint entry does not decode ({e})"));
-                out.insert(S::key_of(slot, &value), Some(value));
+            for (stored_key, bytes) in cold.scan(&[tag]) {
+                let (key, value) = Self::decode_stored(&stored_key, &bytes);
+                out.insert(key, Some(value));
             }
         }
         for (key, value) in &self.map {
