@@ -16,7 +16,7 @@
 //!   checkpoint next to that rebuild. They run only when a filter names them (minutes each at the
 //!   default size): `cargo bench -p anima-benches -- rebuild`.
 //!
-//! Absolute figures drift ±30% between runs on these machines (FIELD-NOTES.md), so every IO
+//! Absolute figures drift ±30% between runs on these machines, so every IO
 //! benchmark runs its raw baseline in the same run and prints the ratio, measured interleaved
 //! with the engine path after criterion's own runs. Each group prints one summary line; all of
 //! them are repeated at the end. Run with `cargo bench -p anima-benches`

