@@ -24,7 +24,7 @@
 //! * Timestamps are the stream's stored message times, in unix nanoseconds.
 
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{
     self,
@@ -34,6 +34,7 @@ use async_nats::jetstream::{
     publish::PublishAck,
     stream::{DirectGetErrorKind, RawMessageErrorKind, RetentionPolicy, StorageType},
 };
+use bytes::Bytes;
 use futures::stream::{self, BoxStream, FuturesUnordered, StreamExt};
 
 use super::{
@@ -62,6 +63,22 @@ pub const ACK_WINDOW_MAX: usize = 65_536;
 /// flight. Past it, publishes wait (backpressure on, as measured: async-nats waits, it does not
 /// error, whatever its doc says) rather than failing.
 const ACK_INFLIGHT_PER_CONNECTION_FACTOR: usize = 4;
+
+/// How long one msg id may keep answering "duplicate message id is in process" before the
+/// stream leader's staged copy is taken as lost. A staged publish is replicated in milliseconds;
+/// nats-server (2.11+) drops staged ids on a leader change only when they are the newest, so a
+/// proposal lost in an election can leave its id "in process" on the leader for the whole
+/// duplicate window (10 minutes here) although the stream never stored it — every retry of that
+/// event is refused until then (seen in the cluster test after a leader kill).
+const IN_PROCESS_STALE_AFTER: Duration = Duration::from_secs(5);
+
+/// Least time between two stream-leader step-down requests of one log, so a slow cluster is
+/// not pushed into election after election.
+const STEP_DOWN_PAUSE: Duration = Duration::from_secs(30);
+
+/// Msg ids whose "in process" answers are being timed; past it new ones are not tracked (the
+/// oldest are the ones that matter).
+const IN_PROCESS_TRACKED_MAX: usize = 4_096;
 
 /// A `read` that receives nothing for this long (or three request timeouts, if longer) ends with
 /// `Unavailable` instead of waiting for a server that is gone: the ordered consumer would retry
@@ -270,6 +287,57 @@ pub struct JetStreamLog {
     /// Whether the stream allows direct gets; if not, `get` asks the leader.
     allow_direct: bool,
     read_stall_timeout: Duration,
+    request_timeout: Duration,
+    in_process: std::sync::Mutex<InProcessWatch>,
+}
+
+/// Times the msg ids the stream leader keeps answering "in process" for, and says when to ask
+/// it to step down (see [`IN_PROCESS_STALE_AFTER`]). A step-down is safe: the new leader stores
+/// the event if the stream never did, or answers "duplicate" with its seq if it did, because
+/// followers learn msg ids only from replicated, stored messages — never from a staging table.
+#[derive(Debug, Default)]
+struct InProcessWatch {
+    /// Msg id → (first, last) "in process" answer.
+    answered: std::collections::HashMap<String, (Instant, Instant)>,
+    last_step_down: Option<Instant>,
+}
+
+impl InProcessWatch {
+    fn in_process(&mut self, msg_id: &str, now: Instant) {
+        if let Some((_, last)) = self.answered.get_mut(msg_id) {
+            *last = now;
+            return;
+        }
+        if self.answered.len() >= IN_PROCESS_TRACKED_MAX {
+            // Ids nobody retried lately were given up by their callers.
+            self.answered.retain(|_, (_, last)| now.duration_since(*last) < IN_PROCESS_STALE_AFTER);
+        }
+        if self.answered.len() < IN_PROCESS_TRACKED_MAX {
+            self.answered.insert(msg_id.to_owned(), (now, now));
+        }
+    }
+
+    fn settled(&mut self, msg_id: &str) {
+        if !self.answered.is_empty() {
+            self.answered.remove(msg_id);
+        }
+    }
+
+    /// Whether to ask for a step-down now: some id has answered "in process" for longer than
+    /// [`IN_PROCESS_STALE_AFTER`] and still does, and no step-down was asked within
+    /// [`STEP_DOWN_PAUSE`]. When it says yes, the timings start over.
+    fn step_down_due(&mut self, now: Instant) -> bool {
+        let stuck = self.answered.values().any(|(first, last)| {
+            now.duration_since(*first) >= IN_PROCESS_STALE_AFTER && now.duration_since(*last) < IN_PROCESS_STALE_AFTER
+        });
+        let paused = self.last_step_down.is_some_and(|last| now.duration_since(last) < STEP_DOWN_PAUSE);
+        if !stuck || paused {
+            return false;
+        }
+        self.last_step_down = Some(now);
+        self.answered.clear();
+        true
+    }
 }
 
 impl std::fmt::Debug for JetStreamLog {
@@ -336,6 +404,8 @@ impl JetStreamLog {
             ack_window: config.ack_window,
             allow_direct,
             read_stall_timeout: config.request_timeout.saturating_mul(3).max(READ_STALL_MIN),
+            request_timeout: config.request_timeout,
+            in_process: std::sync::Mutex::new(InProcessWatch::default()),
         })
     }
 
@@ -359,8 +429,19 @@ impl JetStreamLog {
 
     /// Turns an ack into an outcome. An ack from another stream means another stream captures
     /// our subjects: fail closed.
-    fn outcome(&self, ack: Result<PublishAck, PublishError>) -> LogResult<AppendOutcome> {
-        let ack = ack.map_err(publish_error)?;
+    fn outcome(&self, ack: Result<PublishAck, PublishError>, msg_id: &str) -> LogResult<AppendOutcome> {
+        let ack = match ack {
+            Ok(ack) => {
+                self.watch().settled(msg_id);
+                ack
+            }
+            Err(e) => {
+                if is_in_process(&e) {
+                    self.watch().in_process(msg_id, Instant::now());
+                }
+                return Err(publish_error(e));
+            }
+        };
         if ack.stream != self.stream_name {
             return Err(LogError::Store(format!(
                 "publish was stored by stream {} instead of {}",
@@ -372,6 +453,101 @@ impl JetStreamLog {
         } else {
             AppendOutcome::Appended { seq: ack.sequence }
         })
+    }
+
+    fn watch(&self) -> std::sync::MutexGuard<'_, InProcessWatch> {
+        // The watch holds only timings: one left half-updated by a panic is still usable.
+        self.in_process.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// After a failed append: when a msg id has been "in process" on the stream leader for too
+    /// long, asks the leader to step down so the caller's next retry meets a leader without the
+    /// lost staged copy. A refused or unanswered request is only logged: the caller retries
+    /// either way, and the next stuck answer asks again after [`STEP_DOWN_PAUSE`].
+    async fn step_down_if_stuck(&self) {
+        if !self.watch().step_down_due(Instant::now()) {
+            return;
+        }
+        match self.step_down_leader().await {
+            Ok(()) => tracing::warn!(
+                stream = %self.stream_name,
+                "a publish stayed \"in process\" on the stream leader for {IN_PROCESS_STALE_AFTER:?}; the leader was asked to step down"
+            ),
+            Err(e) => tracing::warn!(stream = %self.stream_name, error = %e, "stream leader step-down request failed"),
+        }
+    }
+
+    /// Asks the stream's leader to step down (`$JS.API.STREAM.LEADER.STEPDOWN`); the other
+    /// replicas elect a new one within seconds. The engine's NATS user needs publish permission on
+    /// that API subject for the stuck-publish remedy to work. A one-replica stream has no one to
+    /// hand over to: the server refuses (`Store`).
+    pub async fn step_down_leader(&self) -> LogResult<()> {
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            #[serde(default)]
+            success: bool,
+            error: Option<jetstream::Error>,
+        }
+        let subject = format!("$JS.API.STREAM.LEADER.STEPDOWN.{}", self.stream_name);
+        let answer = tokio::time::timeout(self.request_timeout, self.client.request(subject, Bytes::new()))
+            .await
+            .map_err(|_| LogError::Unavailable("stream leader step-down: no answer".into()))?
+            .map_err(|e| LogError::Unavailable(format!("stream leader step-down: {e}")))?;
+        let answer: Answer = serde_json::from_slice(&answer.payload)
+            .map_err(|e| LogError::Store(format!("stream leader step-down: unreadable answer: {e}")))?;
+        match answer.error {
+            Some(error) => Err(LogError::Store(format!("stream leader step-down refused: {error}"))),
+            None if answer.success => Ok(()),
+            None => Err(LogError::Store("stream leader step-down: the server did not confirm it".into())),
+        }
+    }
+
+    async fn append_once(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
+        validate_record(&record)?;
+        let ack = self.publish(&record).await?;
+        self.outcome(ack.await, &record.msg_id)
+    }
+
+    async fn append_batch_once(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
+        for record in &records {
+            validate_record(record)?;
+        }
+        let mut outcomes: Vec<Option<AppendOutcome>> = vec![None; records.len()];
+        let mut in_flight = FuturesUnordered::new();
+        let id_of = |index: usize| records[index].msg_id.as_str();
+        for (index, record) in records.iter().enumerate() {
+            while in_flight.len() >= self.ack_window {
+                if let Some((acked, ack)) = in_flight.next().await {
+                    outcomes[acked] = Some(self.outcome(ack, id_of(acked))?);
+                }
+            }
+            // Keep polling the acks already in flight while this publish waits (for the
+            // connection's ack window or the socket): their permits are released only when they
+            // complete, so not polling them could stall concurrent batches on each other.
+            let publish = self.publish(record);
+            tokio::pin!(publish);
+            // Usually the publish is sent at once; only when it has to wait is the select needed.
+            let ack = match futures::poll!(&mut publish) {
+                Poll::Ready(sent) => sent?,
+                Poll::Pending => loop {
+                    tokio::select! {
+                        biased;
+                        sent = &mut publish => break sent?,
+                        Some((acked, ack)) = in_flight.next(), if !in_flight.is_empty() => {
+                            outcomes[acked] = Some(self.outcome(ack, id_of(acked))?);
+                        }
+                    }
+                },
+            };
+            in_flight.push(async move { (index, ack.await) });
+        }
+        while let Some((acked, ack)) = in_flight.next().await {
+            outcomes[acked] = Some(self.outcome(ack, id_of(acked))?);
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.ok_or_else(|| LogError::Store("a publish in the batch got no ack".into())))
+            .collect()
     }
 
     /// The stream's last seq, asked of the server now.
@@ -407,50 +583,19 @@ impl EventLog for JetStreamLog {
     }
 
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
-        validate_record(&record)?;
-        let ack = self.publish(&record).await?;
-        self.outcome(ack.await)
+        let appended = self.append_once(record).await;
+        if appended.is_err() {
+            self.step_down_if_stuck().await;
+        }
+        appended
     }
 
     async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
-        for record in &records {
-            validate_record(record)?;
+        let appended = self.append_batch_once(records).await;
+        if appended.is_err() {
+            self.step_down_if_stuck().await;
         }
-        let mut outcomes: Vec<Option<AppendOutcome>> = vec![None; records.len()];
-        let mut in_flight = FuturesUnordered::new();
-        for (index, record) in records.iter().enumerate() {
-            while in_flight.len() >= self.ack_window {
-                if let Some((acked, ack)) = in_flight.next().await {
-                    outcomes[acked] = Some(self.outcome(ack)?);
-                }
-            }
-            // Keep polling the acks already in flight while this publish waits (for the
-            // connection's ack window or the socket): their permits are released only when they
-            // complete, so not polling them could stall concurrent batches on each other.
-            let publish = self.publish(record);
-            tokio::pin!(publish);
-            // Usually the publish is sent at once; only when it has to wait is the select needed.
-            let ack = match futures::poll!(&mut publish) {
-                Poll::Ready(sent) => sent?,
-                Poll::Pending => loop {
-                    tokio::select! {
-                        biased;
-                        sent = &mut publish => break sent?,
-                        Some((acked, ack)) = in_flight.next(), if !in_flight.is_empty() => {
-                            outcomes[acked] = Some(self.outcome(ack)?);
-                        }
-                    }
-                },
-            };
-            in_flight.push(async move { (index, ack.await) });
-        }
-        while let Some((acked, ack)) = in_flight.next().await {
-            outcomes[acked] = Some(self.outcome(ack)?);
-        }
-        outcomes
-            .into_iter()
-            .map(|outcome| outcome.ok_or_else(|| LogError::Store("a publish in the batch got no ack".into())))
-            .collect()
+        appended
     }
 
     async fn read(
@@ -761,6 +906,19 @@ fn datetime_ns(time: async_nats::datetime::DateTime) -> i64 {
     i64::try_from(nanos).unwrap_or(if nanos < 0 { i64::MIN } else { i64::MAX })
 }
 
+/// Whether a publish was refused because the leader is still replicating an earlier copy with
+/// the same msg id (10158).
+fn is_in_process(e: &PublishError) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(current) = source {
+        if let Some(api) = current.downcast_ref::<jetstream::Error>() {
+            return api.error_code() == jetstream::ErrorCode::STREAM_DUPLICATE_MESSAGE_CONFLICT;
+        }
+        source = current.source();
+    }
+    false
+}
+
 fn publish_error(e: PublishError) -> LogError {
     match e.kind() {
         PublishErrorKind::MaxPayloadExceeded => {
@@ -884,6 +1042,39 @@ mod tests {
         }
         assert!(matches!(publish_error(PublishError::new(PublishErrorKind::TimedOut)), LogError::Unavailable(_)));
         assert!(matches!(publish_error(PublishError::new(PublishErrorKind::StreamNotFound)), LogError::Unavailable(_)));
+    }
+
+    #[test]
+    fn only_the_in_process_conflict_is_recognised_as_one() {
+        assert!(is_in_process(&api_error(409, 10158, "duplicate message id is in process")));
+        assert!(!is_in_process(&api_error(503, 10008, "JetStream system temporarily unavailable")));
+        assert!(!is_in_process(&PublishError::new(PublishErrorKind::TimedOut)));
+    }
+
+    #[test]
+    fn a_msg_id_stuck_in_process_asks_for_one_step_down_per_pause() {
+        let start = Instant::now();
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        let mut watch = InProcessWatch::default();
+        watch.in_process("e1", at(0));
+        watch.in_process("e1", at(3));
+        assert!(!watch.step_down_due(at(3)), "replication may take a moment");
+        watch.in_process("e1", at(6));
+        assert!(watch.step_down_due(at(6)), "in process for 6 s and still answered so");
+        watch.in_process("e1", at(7));
+        watch.in_process("e1", at(13));
+        assert!(!watch.step_down_due(at(13)), "a step-down was asked 7 s ago");
+        watch.in_process("e1", at(36));
+        watch.in_process("e1", at(42));
+        assert!(watch.step_down_due(at(42)), "the pause is over and the id is still stuck");
+
+        // An id that got its ack, or that nobody retries any more, asks for nothing.
+        let mut watch = InProcessWatch::default();
+        watch.in_process("ok", at(0));
+        watch.settled("ok");
+        watch.in_process("given-up", at(0));
+        watch.in_process("fresh", at(20));
+        assert!(!watch.step_down_due(at(20)));
     }
 
     #[test]

@@ -218,6 +218,27 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
         .await;
         kills.push((leader, new_leader, acknowledged_at_kill, killed_at, elected_at));
     }
+    // A leader asked to step down (the engine's remedy for a publish it keeps answering "in
+    // process") hands the stream to another replica, and appends go on.
+    let (leader_before, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+    let acknowledged_at_step_down = *progress.borrow();
+    open_gate(acknowledged_at_step_down + WRITER_SLACK_EVENTS);
+    log.step_down_leader().await.expect("the stream leader is asked to step down");
+    let (leader_after, _) = poll_until("another leader after the step-down", || async {
+        stream_cluster(&admin).await.filter(|(name, current)| *name != leader_before && *current)
+    })
+    .await;
+    tokio::time::timeout(
+        CLUSTER_STEP_DEADLINE,
+        progress.wait_for(|acknowledged| *acknowledged >= acknowledged_at_step_down + FAILOVER_BATCH),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no appends after {leader_before} stepped down for {leader_after}"))
+    .expect("the writer is running");
+    eprintln!(
+        "  step-down of leader {leader_before} after {acknowledged_at_step_down} events: new leader {leader_after}"
+    );
+
     // Then the node the log is connected to freezes (SIGSTOP): the client must notice by its
     // pings and move to another node.
     let frozen = log.connected_server();
