@@ -11,6 +11,7 @@ mod memory;
 mod metrics;
 mod race;
 mod replay_tool;
+mod resend_and_stop;
 mod send_hold;
 mod tls;
 mod wakes;

@@ -145,6 +145,14 @@ pub struct LinearIngestOutcome {
     pub verdict: LinearSessionVerdict,
 }
 
+/// What a Slack thread stop did.
+#[derive(Clone, Debug)]
+pub struct ThreadStopOutcome {
+    pub seq: u64,
+    pub duplicate_event: bool,
+    pub verdict: anima_projections::thread_stop::ThreadStopVerdict,
+}
+
 /// A Linear response request or outcome as the fold decided it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinearResponseDecision {
@@ -167,6 +175,8 @@ pub struct SendDecision {
     pub verdict: SendVerdict,
     /// The notice to show when held.
     pub notice: Option<String>,
+    /// A repeated request whose allowed post was confirmed since: the post. Do not post again.
+    pub already_posted: Option<anima_projections::send_hold::PostedSend>,
 }
 
 #[derive(Clone, Debug)]
@@ -459,6 +469,34 @@ impl Engine {
         Ok(LinearIngestOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
     }
 
+    /// The user stopped the agent in a Slack thread: the thread's queued input for that agent
+    /// is removed. `occurred_at_ms` (required) tells two stops of one thread apart, so a
+    /// connector's retry of one stop is deduped and never removes input queued after it.
+    pub async fn stop_slack_thread(
+        &self,
+        stop: proto::SlackThreadStopObserved,
+        occurred_at_ms: i64,
+    ) -> Result<ThreadStopOutcome, CommandError> {
+        self.require_agent("receiving_agent_id", &stop.receiving_agent_id)?;
+        validate::slack_id("team_id", &stop.team_id, true)?;
+        validate::slack_id("channel_id", &stop.channel_id, true)?;
+        validate::slack_ts("thread_ts", &stop.thread_ts, true)?;
+        if occurred_at_ms <= 0 {
+            return Err(invalid("occurred_at_ms", "is required for a stop (unix milliseconds of the stop)"));
+        }
+        let surface = SurfaceId::Slack {
+            team: stop.team_id.clone(),
+            channel: stop.channel_id.clone(),
+            thread_ts: Some(stop.thread_ts.clone()),
+        };
+        let key = format!("slack-thread-stop\0{surface}\0{}\0{occurred_at_ms}", stop.receiving_agent_id);
+        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
+        let envelope = self.envelope(event_id, occurred_at_ms, Payload::SlackThreadStop(stop));
+        let (outcome, verdict) = self.append_and_decide(surface_subject(&surface), &envelope).await?;
+        let Verdict::ThreadStopped(verdict) = verdict else { return Err(unexpected(verdict)) };
+        Ok(ThreadStopOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
+    }
+
     /// Asks to answer a Linear session: returns the activity id the fold generated
     /// for this response's key (the earlier one for a repeat) and its state.
     pub async fn respond_linear(
@@ -556,6 +594,12 @@ impl Engine {
         let subject = surface_subject(&surface);
         let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
         let Verdict::Send(verdict) = verdict else { return Err(unexpected(verdict)) };
+        if outcome.is_duplicate() && matches!(verdict, SendVerdict::Allowed { .. }) {
+            let posted = self.posted_since(&envelope.event_id, &request.agent_id, &surface).await?;
+            if posted.is_some() {
+                return Ok(SendDecision { seq: outcome.seq(), verdict, notice: None, already_posted: posted });
+            }
+        }
         let notice = match &verdict {
             SendVerdict::Allowed { .. } => None,
             SendVerdict::Held(held) => {
@@ -565,7 +609,26 @@ impl Engine {
                 Some(render::render_held_notice(&request.agent_id, held.kind, held.new_messages, held.omitted, &rows))
             }
         };
-        Ok(SendDecision { seq: outcome.seq(), verdict, notice })
+        Ok(SendDecision { seq: outcome.seq(), verdict, notice, already_posted: None })
+    }
+
+    /// The post confirmed for an earlier allowed send of this agent on this surface, as the log
+    /// holds it now: the projection is brought up to the log's end first, so a confirmation that
+    /// reached the log before this retry is seen whichever instance took it. A read of what
+    /// happened, not a decision: the send's verdict stays the one the fold recorded.
+    async fn posted_since(
+        &self,
+        send_event_id: &str,
+        agent: &str,
+        surface: &SurfaceId,
+    ) -> Result<Option<anima_projections::send_hold::PostedSend>, CommandError> {
+        let end = self.log.last_seq().await?;
+        self.projection
+            .wait_applied(end, self.config.verdict_wait)
+            .await
+            .map_err(|e| CommandError::Unavailable(e.to_string()))?;
+        let state = self.projection.state();
+        Ok(state.posted_send(send_event_id).filter(|p| p.agent == agent && &p.surface == surface).cloned())
     }
 
     async fn row_bodies(&self, rows: &[RowMeta]) -> Result<Vec<Arc<RowBody>>, CommandError> {
@@ -582,8 +645,17 @@ impl Engine {
     }
 
     /// Journals the agent's own post.
-    pub async fn confirm(&self, confirmation: proto::SendConfirmed) -> Result<IngestOutcome, CommandError> {
+    /// `send_request_id` names the `Send` that allowed the post (optional, validated like every
+    /// request id); a repeat of that send then answers "already posted".
+    pub async fn confirm(
+        &self,
+        mut confirmation: proto::SendConfirmed,
+        send_request_id: &str,
+    ) -> Result<IngestOutcome, CommandError> {
         self.require_agent("agent_id", &confirmation.agent_id)?;
+        confirmation.send_event_id = validate::request_id_named("send_request_id", send_request_id)?
+            .map(|id| id.to_string())
+            .unwrap_or_default();
         let surface = Self::target_surface(confirmation.target.as_ref())?;
         let kind = Self::send_kind(confirmation.kind)?;
         match surface {

@@ -778,6 +778,14 @@ fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &
                 facts.push(format!("the stop removed: {}", session.removed.join(", ")));
             }
         }
+        Verdict::ThreadStopped(stop) => {
+            facts.push(format!("Slack thread stop on {} for {}", stop.surface, stop.agent));
+            if stop.removed.is_empty() {
+                facts.push("the stop removed nothing (no queued input of the thread)".to_owned());
+            } else {
+                facts.push(format!("the stop removed: {}", stop.removed.join(", ")));
+            }
+        }
         Verdict::LinearResponse(response) => facts.push(format!(
             "activity {} ({}){}",
             response.activity_id,

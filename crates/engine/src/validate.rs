@@ -206,10 +206,15 @@ pub fn memory_digest(field: &'static str, value: &[u8]) -> Result<(), CommandErr
 
 /// An optional client request id: empty, or a UUID.
 pub fn request_id(value: &str) -> Result<Option<uuid::Uuid>, CommandError> {
+    request_id_named("request_id", value)
+}
+
+/// A request id in a field of another name (e.g. the `send_request_id` of a confirmation).
+pub fn request_id_named(field: &'static str, value: &str) -> Result<Option<uuid::Uuid>, CommandError> {
     if value.is_empty() {
         return Ok(None);
     }
     uuid::Uuid::parse_str(value)
         .map(Some)
-        .map_err(|_| invalid("request_id", format!("{} is not a UUID (send one, or leave it empty)", echo(value))))
+        .map_err(|_| invalid(field, format!("{} is not a UUID (send one, or leave it empty)", echo(value))))
 }

@@ -156,6 +156,23 @@ impl Services {
                 };
                 vec![linear_outcome_message(self.engine.ingest_linear(observation).await.map_err(status)?)]
             }
+            Some(api::append_request::Observation::SlackThreadStop(stop)) => {
+                let observed = events::SlackThreadStopObserved {
+                    receiving_agent_id: stop.receiving_agent_id,
+                    team_id: stop.team_id,
+                    channel_id: stop.channel_id,
+                    thread_ts: stop.thread_ts,
+                };
+                let outcome = self.engine.stop_slack_thread(observed, stop.occurred_at_ms).await.map_err(status)?;
+                vec![api::AppendOutcome {
+                    agent_id: outcome.verdict.agent,
+                    seq: outcome.seq,
+                    duplicate_event: outcome.duplicate_event,
+                    surface: outcome.verdict.surface.to_string(),
+                    removed_item_ids: outcome.verdict.removed,
+                    ..Default::default()
+                }]
+            }
             Some(api::append_request::Observation::Agent(registration)) => {
                 principal.require(crate::auth::Action::RegisterAgent)?;
                 let agent_id = registration.agent_id.clone();
@@ -370,6 +387,13 @@ impl api::sends_server::Sends for Services {
         let decision = self.engine.send(send, &request.request_id).await.map_err(status)?;
         self.metrics.send_decided(&decision.verdict);
         let verdict = match decision.verdict {
+            SendVerdict::Allowed { .. } if decision.already_posted.is_some() => {
+                let posted = decision.already_posted.unwrap_or_else(|| unreachable!("checked by the guard"));
+                api::send_response::Verdict::AlreadyPosted(api::SendAlreadyPosted {
+                    ts: posted.ts,
+                    confirmed_at_seq: posted.confirmed_seq,
+                })
+            }
             SendVerdict::Allowed { .. } => api::send_response::Verdict::Allowed(api::SendAllowed {}),
             SendVerdict::Held(held) => api::send_response::Verdict::Held(api::SendHeld {
                 new_messages: u32::try_from(held.new_messages).unwrap_or(u32::MAX),
@@ -412,8 +436,9 @@ impl api::sends_server::Sends for Services {
             ts,
             text: request.text,
             files: request.files,
+            send_event_id: String::new(),
         };
-        let outcome = self.engine.confirm(confirmation).await.map_err(status)?;
+        let outcome = self.engine.confirm(confirmation, &request.send_request_id).await.map_err(status)?;
         Ok(Response::new(api::SendsConfirmResponse {
             seq: outcome.seq,
             duplicate_event: outcome.duplicate_event,

@@ -61,6 +61,7 @@ impl State {
             Some(Payload::LinearResponseOutcome(outcome)) => self.record_linear_response_outcome(outcome),
             Some(Payload::MemoryConfig(config)) => self.configure_memory(config),
             Some(Payload::MemoryPass(request)) => self.request_memory_pass(at, request),
+            Some(Payload::SlackThreadStop(stop)) => self.stop_slack_thread(stop),
             None if envelope.min_reader_version > READER_VERSION => {
                 self.meta.halted = Some(Halt {
                     seq: at.seq,
@@ -202,6 +203,13 @@ impl State {
             }
             SurfaceId::Memory { .. } => return refused(RefusalKind::InvalidArgument, "target is not a conversation"),
         };
+        let posted = crate::send_hold::PostedSend {
+            agent: agent.clone(),
+            surface: surface.clone(),
+            ts: confirmation.ts.clone(),
+            confirmed_seq: at.seq,
+        };
+        self.note_posted_send(at, &confirmation.send_event_id, posted);
         let surface_key = self.surfaces.intern(&surface);
         let existing = self.identity_ordinal(surface_key, &confirmation.ts);
         let ordinal = match existing {

@@ -21,6 +21,7 @@ pub mod state;
 pub mod subscription;
 pub mod surface;
 pub mod table;
+pub mod thread_stop;
 pub mod time;
 pub mod verdict;
 pub mod wake;

@@ -8,6 +8,8 @@
 //! Guards come before the hold: while the agent's active wake is a memory pass, nothing is
 //! posted (the pass is sealed); such a refusal moves no cursor.
 
+use serde::{Deserialize, Serialize};
+
 use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
@@ -15,7 +17,41 @@ use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
 use crate::verdict::{HeldSend, PostKind, RefusalKind, SendVerdict, Verdict};
 
+/// Confirmed posts remembered by the send that allowed them: a runtime's retry after a lost
+/// response comes within seconds; 65,536 posts are hours of a busy fleet.
+pub const POSTED_SENDS_MAX: usize = 65_536;
+
+/// A post confirmed as the one a send allowed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PostedSend {
+    pub agent: String,
+    pub surface: SurfaceId,
+    /// Slack: the post's ts; chat: the platform's message id.
+    pub ts: String,
+    pub confirmed_seq: u64,
+}
+
 impl State {
+    /// Records that the send `send_event_id` was posted as `ts`; the first confirmation naming a
+    /// send wins (a second post of one allowed send is the runtime's mistake, not a new fact).
+    pub(crate) fn note_posted_send(&mut self, at: LogPosition, send_event_id: &str, posted: PostedSend) {
+        if send_event_id.is_empty() || self.posted_sends.contains_key(&send_event_id.to_owned()) {
+            return;
+        }
+        self.posted_sends.insert(send_event_id.to_owned(), PostedSend { confirmed_seq: at.seq, ..posted });
+        self.posted_send_order.insert(at.seq, send_event_id.to_owned());
+        while self.posted_send_order.len() > POSTED_SENDS_MAX {
+            if let Some((_, oldest)) = self.posted_send_order.pop_first() {
+                self.posted_sends.remove(&oldest);
+            }
+        }
+    }
+
+    /// The post confirmed for the send with this event id, if one was (within the bound).
+    pub fn posted_send(&self, send_event_id: &str) -> Option<&PostedSend> {
+        self.posted_sends.get(&send_event_id.to_owned())
+    }
+
     pub(crate) fn decide_send(&mut self, _at: LogPosition, request: &proto::SendRequested) -> Verdict {
         let agent = request.agent_id.as_str();
         if !self.agents.contains_key(&request.agent_id) {

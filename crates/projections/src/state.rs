@@ -20,7 +20,7 @@ use crate::wake::{AgentQueue, SettledItems};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 11;
+pub const FOLD_VERSION: u32 = 12;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -120,6 +120,11 @@ pub struct State {
     pub memory_gates: Table<String, MemoryGate>,
     /// Pass id → the memory passes queued or running, fleet-wide: what `maxConcurrent` counts.
     pub memory_open: Table<String, OpenPass>,
+    /// Send event id → the post it allowed, once confirmed naming that send: a repeated send
+    /// answers "already posted". The newest [`crate::send_hold::POSTED_SENDS_MAX`].
+    pub posted_sends: Table<String, crate::send_hold::PostedSend>,
+    /// Log seq of the confirmation → send event id, to forget the oldest beyond the bound.
+    pub posted_send_order: Table<u64, String>,
     /// Where entries of the cold tables that left memory are read back from.
     pub cold: Cold,
 }
@@ -358,7 +363,9 @@ state_tables! {
     22 => surfaces,
     23 => agent_keys,
     24 => linear_sessions,
-    25 => linear_session_order;
+    25 => linear_session_order,
+    28 => posted_sends,
+    29 => posted_send_order;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -495,6 +502,7 @@ impl State {
             + self.linear_sessions.len() * 2
             + self.memory_gates.len()
             + self.memory_open.len()
+            + self.posted_sends.len() * 2
             + self.surfaces.len()
             + self.agent_keys.len();
         self.cold_resident_len() * COLD_ENTRY_BYTES + hot_entries * HOT_ENTRY_BYTES + queued * QUEUED_WAKE_BYTES

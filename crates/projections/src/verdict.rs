@@ -52,6 +52,8 @@ pub enum Verdict {
     },
     /// A Linear session event was folded for its receiving agent.
     LinearSession(LinearSessionVerdict),
+    /// A Slack thread stop removed the thread's queued input of its agent.
+    ThreadStopped(crate::thread_stop::ThreadStopVerdict),
     /// A Linear response request or outcome was decided: the response's activity id and state.
     LinearResponse(LinearResponseVerdict),
     /// The request was refused. Nothing changed, except that a start refused as stale returns

@@ -107,7 +107,7 @@ async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
         ts: huge.clone(),
         ..Default::default()
     };
-    let error = fixture.engine.confirm(confirm).await.expect_err("a 1 MB ts is refused");
+    let error = fixture.engine.confirm(confirm, "").await.expect_err("a 1 MB ts is refused");
     assert_refused(error, "ts", last_before, log.last_seq().await.expect("last seq"));
 
     let confirm = proto::SendConfirmed {
@@ -117,7 +117,7 @@ async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
         ts: "1700000000.000100".into(),
         ..Default::default()
     };
-    let error = fixture.engine.confirm(confirm).await.expect_err("a 1 MB thread_ts is refused");
+    let error = fixture.engine.confirm(confirm, "").await.expect_err("a 1 MB thread_ts is refused");
     assert_refused(error, "target.thread_ts", last_before, log.last_seq().await.expect("last seq"));
 
     // Unknown agents are named back, clipped (ids up to 128 bytes are well-formed).
@@ -129,7 +129,7 @@ async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
         ts: "1700000000.000100".into(),
         ..Default::default()
     };
-    let error = fixture.engine.confirm(confirm).await.expect_err("an unknown agent is refused");
+    let error = fixture.engine.confirm(confirm, "").await.expect_err("an unknown agent is refused");
     let message = error.to_string();
     assert!(message.contains(&format!("\"{}\"…", &unknown[..ECHO_BYTES_MAX])), "{message}");
     assert!(!message.contains(&unknown), "{message}");

@@ -132,6 +132,7 @@ impl Generated {
                     ts,
                     text: format!("my post {n}"),
                     files: Vec::new(),
+                    send_event_id: String::new(),
                 };
                 self.append(surface_subject(CHANNELS[*c]), Payload::SendConfirmed(confirmed)).await;
             }

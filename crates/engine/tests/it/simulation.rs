@@ -1188,8 +1188,9 @@ impl Sim {
                 ts,
                 text: "my answer".into(),
                 files: Vec::new(),
+                send_event_id: String::new(),
             };
-            self.engine(node).confirm(confirmation).await.map_err(|e| engine_error("confirm", e))?;
+            self.engine(node).confirm(confirmation, "").await.map_err(|e| engine_error("confirm", e))?;
         }
         Ok(())
     }

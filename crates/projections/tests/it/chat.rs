@@ -149,6 +149,7 @@ fn confirmed_in_chat(chat: &str, thread: &str, message_id: &str, text: &str) -> 
             ts: message_id.to_owned(),
             text: text.to_owned(),
             files: Vec::new(),
+            send_event_id: String::new(),
         })),
     }
 }

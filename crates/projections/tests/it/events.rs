@@ -96,6 +96,29 @@ pub fn confirmed(agent_id: &str, channel: &str, ts: &str, text: &str) -> Envelop
             ts: ts.to_owned(),
             text: text.to_owned(),
             files: Vec::new(),
+            send_event_id: String::new(),
+        }),
+    )
+}
+
+/// A post the agent made, confirmed as the post the send `send_event_id` allowed.
+pub fn confirmed_for(agent_id: &str, channel: &str, ts: &str, send_event_id: &str) -> Envelope {
+    let mut event = confirmed(agent_id, channel, ts, "my post");
+    if let Some(Payload::SendConfirmed(c)) = event.payload.as_mut() {
+        c.send_event_id = send_event_id.to_owned();
+    }
+    event
+}
+
+/// The user stopped `agent_id` in the thread of `channel` rooted at `thread_ts`.
+pub fn thread_stop(agent_id: &str, channel: &str, thread_ts: &str) -> Envelope {
+    envelope(
+        format!("slack-thread-stop:{agent_id}:{channel}:{thread_ts}"),
+        Payload::SlackThreadStop(proto::SlackThreadStopObserved {
+            receiving_agent_id: agent_id.to_owned(),
+            team_id: TEAM.to_owned(),
+            channel_id: channel.to_owned(),
+            thread_ts: thread_ts.to_owned(),
         }),
     )
 }

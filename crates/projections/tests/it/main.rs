@@ -18,5 +18,6 @@ mod redact;
 mod routing;
 mod schema;
 mod send_hold;
+mod thread_stop;
 mod wake;
 mod wake_text;

@@ -91,7 +91,14 @@ const REVIEWED_NON_CONTENT: &[&str] = &[
     "anima.v1.SendRequested.agent_id",
     "anima.v1.SendConfirmed.agent_id",
     "anima.v1.SendConfirmed.ts",
+    // The event id of the send a post answers: a UUID the runtime drew, never words.
+    "anima.v1.SendConfirmed.send_event_id",
     "anima.v1.SubscriptionChangeRequested.agent_id",
+    // A Slack thread stop: the agent and the thread's ids.
+    "anima.v1.SlackThreadStopObserved.receiving_agent_id",
+    "anima.v1.SlackThreadStopObserved.team_id",
+    "anima.v1.SlackThreadStopObserved.channel_id",
+    "anima.v1.SlackThreadStopObserved.thread_ts",
     // The memory pass: configuration and slot days.
     "anima.v1.MemoryCoherenceConfigured.window_start",
     "anima.v1.MemoryCoherenceConfigured.timezone",

@@ -1,0 +1,53 @@
+//! Slack thread stop: the user stopped the agent in a thread (Slack's assistant/agent thread
+//! stop). The thread's queued input for that agent is removed, as a Linear stop removes a
+//! session's; a wake already claimed or running is left to finish (the runtime stops it itself),
+//! and nothing else changes — no cursor moves, no other agent is touched.
+
+use serde::{Deserialize, Serialize};
+
+use crate::fold::refused;
+use crate::proto;
+use crate::state::State;
+use crate::surface::SurfaceId;
+use crate::verdict::{RefusalKind, Verdict};
+use crate::wake::WakeItem;
+
+/// What a thread stop did for its receiving agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThreadStopVerdict {
+    pub agent: String,
+    pub surface: SurfaceId,
+    /// The queued items of the thread it removed, oldest first.
+    pub removed: Vec<String>,
+}
+
+impl State {
+    pub(crate) fn stop_slack_thread(&mut self, stop: &proto::SlackThreadStopObserved) -> Verdict {
+        let agent = stop.receiving_agent_id.as_str();
+        if !self.agents.contains_key(&stop.receiving_agent_id) {
+            return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
+        }
+        if stop.thread_ts.trim().is_empty() {
+            return refused(RefusalKind::InvalidArgument, "thread_ts is empty: a stop names a thread");
+        }
+        let thread = SurfaceId::Slack {
+            team: stop.team_id.clone(),
+            channel: stop.channel_id.clone(),
+            thread_ts: Some(stop.thread_ts.trim().to_owned()),
+        };
+        // Input of the thread: wakes triggered in it, and wakes that answer into it (a mention on
+        // the thread's parent is triggered on the top level and replies in the thread).
+        let of_thread = |item: &WakeItem| item.trigger_surface == thread || item.reply_to == thread;
+        let key = stop.receiving_agent_id.clone();
+        let removed: Vec<String> = match self.queues.get(&key) {
+            Some(queue) => queue.queued().iter().filter(|i| of_thread(i)).map(|i| i.id.clone()).collect(),
+            None => Vec::new(),
+        };
+        if !removed.is_empty() {
+            if let Some(queue) = self.queues.get_mut(&key) {
+                queue.retain(|i| !of_thread(i));
+            }
+        }
+        Verdict::ThreadStopped(ThreadStopVerdict { agent: key, surface: thread, removed })
+    }
+}
