@@ -11,7 +11,7 @@ mod memory;
 mod metrics;
 mod race;
 mod replay_tool;
-mod resend_and_stop;
+mod reply_guards;
 mod send_hold;
 mod tls;
 mod wakes;

@@ -281,6 +281,8 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
         memory_delay_seconds_sum,
         memory_delay_count,
         wakes_not_queued_queue_full,
+        failure_notices_owed,
+        failure_notices_settled,
     } = from;
     into.events += events;
     into.event_bytes += event_bytes;
@@ -300,6 +302,8 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
     into.memory_delay_seconds_sum += memory_delay_seconds_sum;
     into.memory_delay_count += memory_delay_count;
     into.wakes_not_queued_queue_full += wakes_not_queued_queue_full;
+    into.failure_notices_owed += failure_notices_owed;
+    into.failure_notices_settled += failure_notices_settled;
 }
 
 /// How long a Counts call waits for the fold to count the newest event of its range before it

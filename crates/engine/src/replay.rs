@@ -722,13 +722,18 @@ fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &
                 ));
             }
         }
-        Verdict::Finished { item_id, requeued, memory_outcome } => {
+        Verdict::Finished { item_id, requeued, memory_outcome, notice_owed } => {
             facts.push(format!(
                 "{item_id} finished{}",
                 if *requeued { " as a restart drain: queued again, to resume" } else { "" }
             ));
             if let Some(outcome) = memory_outcome {
                 facts.push(format!("a memory pass: outcome {}", outcome.outcome.as_str()));
+            }
+            if *notice_owed {
+                facts.push(
+                    "it failed and a person asked for it (a DM or a mention): a failure notice is owed".to_owned(),
+                );
             }
         }
         Verdict::HeartbeatRecorded => facts.push("the heartbeat extended the wake's life by log time".to_owned()),
@@ -749,6 +754,12 @@ fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &
             }
             if let Some(route) = &journal.route {
                 facts.push(format!("routed for {}: {}", journal.agent, describe_route(route)));
+            }
+            if !journal.notices_settled.is_empty() {
+                facts.push(format!(
+                    "the post settled the failure notices owed for: {}",
+                    journal.notices_settled.join(", ")
+                ));
             }
             match (journal.wake, journal.not_queued) {
                 (Some(reason), _) => facts.push(format!("a {} wake was queued", reason.as_str())),

@@ -194,6 +194,9 @@ fn figures(figures: &Figures) -> api::AnalyticsFigures {
         memory_outcomes: reason_counts(&figures.memory_outcomes),
         memory_delay_seconds_sum: figures.memory_delay_seconds_sum,
         memory_delay_count: figures.memory_delay_count,
+        wakes_not_queued_queue_full: figures.wakes_not_queued_queue_full,
+        failure_notices_owed: figures.failure_notices_owed,
+        failure_notices_settled: figures.failure_notices_settled,
     }
 }
 

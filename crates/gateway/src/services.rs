@@ -242,7 +242,23 @@ fn wake_signal(engine: &Engine, agent: &str) -> api::WatchResponse {
         queued: u32::try_from(queued).unwrap_or(u32::MAX),
         claimable,
         as_of_seq: state.meta.applied_seq,
+        notices_owed: u32::try_from(state.notices_owed_of(agent).count()).unwrap_or(u32::MAX),
     }
+}
+
+/// The failure notices the agent owes now, oldest first.
+fn notices_owed(engine: &Engine, agent: &str) -> Vec<api::OwedNotice> {
+    let state = engine.projection().state();
+    state
+        .notices_owed_of(agent)
+        .map(|notice| api::OwedNotice {
+            item_id: notice.item_id.clone(),
+            reason: notice.reason.as_str().to_owned(),
+            reply_to: Some(notice.reply_to.to_target()),
+            wake_reason: notice.wake_reason.as_str().to_owned(),
+            owed_at_seq: notice.owed_seq,
+        })
+        .collect()
 }
 
 #[tonic::async_trait]
@@ -273,7 +289,7 @@ impl api::wakes_server::Wakes for Services {
         let stream = futures::stream::unfold(watch, |mut watch| async move {
             loop {
                 let signal = wake_signal(&watch.engine, &watch.agent);
-                let key = (signal.queued, signal.claimable);
+                let key = (signal.queued, signal.claimable, signal.notices_owed);
                 if watch.last != Some(key) {
                     watch.last = Some(key);
                     return Some((Ok(signal), watch));
@@ -330,7 +346,8 @@ impl api::wakes_server::Wakes for Services {
                 prepared_at_seq: outcome.seq,
             }
         });
-        Ok(Response::new(api::ClaimResponse { wake, settled_without_turn: outcome.settled_without_turn }))
+        let notices_owed = notices_owed(&self.engine, &request.agent_id);
+        Ok(Response::new(api::ClaimResponse { wake, settled_without_turn: outcome.settled_without_turn, notices_owed }))
     }
 
     async fn start(&self, request: Request<api::StartRequest>) -> Result<Response<api::StartResponse>, Status> {
@@ -493,7 +510,7 @@ struct WatchState {
     agent: String,
     shutdown: tokio_util::sync::CancellationToken,
     /// The (queued, claimable) pair last signalled.
-    last: Option<(u32, bool)>,
+    last: Option<(u32, bool, u32)>,
 }
 
 #[tonic::async_trait]

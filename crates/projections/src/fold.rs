@@ -231,6 +231,7 @@ impl State {
                 ordinal
             }
         };
+        let notices_settled = self.settle_failure_notices(&agent, &surface);
         Verdict::Journaled(JournalVerdict {
             agent,
             surface: Some(surface),
@@ -239,6 +240,7 @@ impl State {
             wake: None,
             route: None,
             not_queued: None,
+            notices_settled,
         })
     }
 
@@ -340,6 +342,7 @@ impl State {
             wake,
             route,
             not_queued,
+            notices_settled: Vec::new(),
         })
     }
 
@@ -437,6 +440,7 @@ fn not_journaled(agent: String) -> Verdict {
         wake: None,
         route: None,
         not_queued: None,
+        notices_settled: Vec::new(),
     })
 }
 

@@ -424,6 +424,10 @@ pub struct RedactedOutcome {
     /// Journaled or a Linear receipt: why the wake it earned was not queued ("duplicate",
     /// "queue_full").
     pub not_queued: Option<String>,
+    /// A finish that left a failure notice owed to the person who asked.
+    pub failure_notice_owed: bool,
+    /// A confirmed own post: the failure notices it settled.
+    pub failure_notices_settled: u64,
 }
 
 impl RedactedOutcome {
@@ -440,6 +444,7 @@ impl RedactedOutcome {
                 duplicate_message: journal.duplicate_message,
                 ordinal: journal.ordinal,
                 not_queued: journal.not_queued.map(|n| n.as_str().to_owned()),
+                failure_notices_settled: journal.notices_settled.len() as u64,
                 ..RedactedOutcome::kind(if journal.surface.is_some() { "journaled" } else { "not_journaled" })
             },
             Verdict::AgentRegistered => RedactedOutcome::kind("agent_registered"),
@@ -464,7 +469,8 @@ impl RedactedOutcome {
                 RedactedOutcome { settled_without_turn: coalesced.len() as u64, ..RedactedOutcome::kind("started") }
             }
             Verdict::Finished { requeued: true, .. } => RedactedOutcome::kind("requeued"),
-            Verdict::Finished { requeued: false, memory_outcome, .. } => RedactedOutcome {
+            Verdict::Finished { requeued: false, memory_outcome, notice_owed, .. } => RedactedOutcome {
+                failure_notice_owed: *notice_owed,
                 memory_outcome: memory_outcome.as_ref().map(|o| o.outcome.as_str().to_owned()),
                 memory_delay_seconds: memory_outcome
                     .as_ref()
@@ -569,6 +575,9 @@ pub struct Figures {
     pub memory_outcomes: BTreeMap<String, u64>,
     pub memory_delay_seconds_sum: u64,
     pub memory_delay_count: u64,
+    /// Failure notices owed (a wake a person asked for was given up), and settled by a post.
+    pub failure_notices_owed: u64,
+    pub failure_notices_settled: u64,
 }
 
 impl Figures {
@@ -623,6 +632,8 @@ impl Figures {
         self.settled_without_turn += outcome.map_or(0, |o| o.settled_without_turn);
         self.wakes_not_queued_queue_full +=
             u64::from(outcome.is_some_and(|o| o.not_queued.as_deref() == Some(NotQueued::QueueFull.as_str())));
+        self.failure_notices_owed += u64::from(outcome.is_some_and(|o| o.failure_notice_owed));
+        self.failure_notices_settled += outcome.map_or(0, |o| o.failure_notices_settled);
         let confirmed_post = event.event_type == "send_confirmed" && (outcome.is_none() || kind == "journaled");
         if confirmed_post && event.id("target.slack.channel_id").is_some_and(|c| c.starts_with('D')) {
             if event.id("target.slack.thread_ts").is_some_and(|t| !t.trim().is_empty()) {
@@ -698,7 +709,12 @@ mod tests {
     #[test]
     fn variant_names_keep_only_the_identifier() {
         assert_eq!(variant_name(&Verdict::AgentRegistered), "agent_registered");
-        let finished = Verdict::Finished { item_id: "secret text".into(), requeued: false, memory_outcome: None };
+        let finished = Verdict::Finished {
+            item_id: "secret text".into(),
+            requeued: false,
+            notice_owed: false,
+            memory_outcome: None,
+        };
         assert_eq!(variant_name(&finished), "finished");
     }
 }

@@ -125,6 +125,8 @@ pub struct State {
     pub posted_sends: Table<String, crate::send_hold::PostedSend>,
     /// Log seq of the confirmation → send event id, to forget the oldest beyond the bound.
     pub posted_send_order: Table<u64, String>,
+    /// (agent, log seq of the finish) → a failure notice the agent owes the person who asked.
+    pub notices_owed: Table<(String, u64), crate::failure_notice::OwedNotice>,
     /// Where entries of the cold tables that left memory are read back from.
     pub cold: Cold,
 }
@@ -365,7 +367,8 @@ state_tables! {
     24 => linear_sessions,
     25 => linear_session_order,
     28 => posted_sends,
-    29 => posted_send_order;
+    29 => posted_send_order,
+    30 => notices_owed;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -503,6 +506,7 @@ impl State {
             + self.memory_gates.len()
             + self.memory_open.len()
             + self.posted_sends.len() * 2
+            + self.notices_owed.len()
             + self.surfaces.len()
             + self.agent_keys.len();
         self.cold_resident_len() * COLD_ENTRY_BYTES + hot_entries * HOT_ENTRY_BYTES + queued * QUEUED_WAKE_BYTES

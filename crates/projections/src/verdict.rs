@@ -39,6 +39,8 @@ pub enum Verdict {
     Finished {
         item_id: String,
         requeued: bool,
+        /// A failure notice is now owed to the person who asked for the wake.
+        notice_owed: bool,
         /// For a memory pass that did not drain: its recorded outcome.
         memory_outcome: Option<Box<crate::memory::MemoryOutcomeRecord>>,
     },
@@ -89,6 +91,8 @@ pub struct JournalVerdict {
     /// Why the wake routing earned was not queued: a duplicate item, or a full queue (the agent
     /// was not woken for it).
     pub not_queued: Option<NotQueued>,
+    /// A confirmed own post: the failure notices it settled (item ids of the given-up wakes).
+    pub notices_settled: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

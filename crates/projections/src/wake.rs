@@ -880,6 +880,7 @@ impl State {
         let queue = self.queues.get_mut(&agent).expect("queue exists");
         queue.active = None;
         let mut memory_outcome = None;
+        let mut notice_owed = false;
         if requeue {
             let mut item = active.item;
             item.resume_after_restart = true;
@@ -888,9 +889,11 @@ impl State {
             self.remember_settled(at, &agent, &active.item.id);
             if is_memory_pass {
                 memory_outcome = Some(Box::new(self.record_memory_outcome(at, &agent, &active.item, request)));
+            } else if outcome == proto::WakeOutcome::Failed {
+                notice_owed = self.owe_failure_notice(at, &agent, &active.item);
             }
         }
-        Verdict::Finished { item_id: request.item_id.clone(), requeued: requeue, memory_outcome }
+        Verdict::Finished { item_id: request.item_id.clone(), requeued: requeue, notice_owed, memory_outcome }
     }
 }
 

@@ -10,6 +10,7 @@
 mod chat;
 mod determinism;
 mod events;
+mod failure_notice;
 mod journal;
 mod linear;
 mod log;

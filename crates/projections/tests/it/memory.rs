@@ -241,7 +241,7 @@ fn describe(verdict: &Verdict) -> String {
         Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}", coalesced.join(", "))
         }
-        Verdict::Finished { item_id, requeued, memory_outcome } => format!(
+        Verdict::Finished { item_id, requeued, memory_outcome, .. } => format!(
             "finished {item_id}{}{}",
             if *requeued { ", re-queued" } else { "" },
             memory_outcome.as_ref().map(|o| format!(" ({})", o.outcome.as_str())).unwrap_or_default()

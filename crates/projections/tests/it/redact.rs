@@ -332,7 +332,7 @@ fn ids_are_kept_and_content_becomes_sizes() {
               files[0].name = ContentBytes(9)
               files[0].size_bytes = Uint(300)
               user_name = ContentBytes(5)
-              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None }
+              => RedactedOutcome { kind: "journaled", wake_reason: Some("dm"), refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 1, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None, failure_notice_owed: false, failure_notices_settled: 0 }
         "#]],
     );
 }
@@ -348,7 +348,7 @@ fn a_send_request_is_redacted_with_its_target_ids() {
               target.slack.channel_id = Id("D1")
               kind = Enum("SEND_KIND_MESSAGE")
               draft_bytes = Uint(5)
-              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None }
+              => RedactedOutcome { kind: "send_allowed", wake_reason: None, refusal: None, settled_without_turn: 0, new_messages: 0, shown: 0, omitted: 0, duplicate_message: false, ordinal: 0, note_shown: false, memory_outcome: None, memory_delay_seconds: None, not_queued: None, failure_notice_owed: false, failure_notices_settled: 0 }
         "#]],
     );
 }

@@ -56,9 +56,10 @@ fn describe_verdict(log: &TestLog, agent: &str, seq: u64) -> String {
         Verdict::Started { item_id, coalesced, .. } => {
             format!("started {item_id}; settled without a turn: {}\n", list(coalesced))
         }
-        Verdict::Finished { item_id, requeued, memory_outcome } => {
+        Verdict::Finished { item_id, requeued, memory_outcome, notice_owed } => {
             let outcome = memory_outcome.as_ref().map(|o| format!(" ({})", o.outcome.as_str())).unwrap_or_default();
-            format!("finished {item_id}{}{outcome}\n", if *requeued { ", re-queued" } else { "" })
+            let notice = if *notice_owed { "; a failure notice is owed" } else { "" };
+            format!("finished {item_id}{}{outcome}{notice}\n", if *requeued { ", re-queued" } else { "" })
         }
         Verdict::Refused(refusal) => describe_refusal(refusal) + "\n",
         other => format!("{other:?}\n"),

@@ -1,8 +1,10 @@
-//! Two guards of the reply path, end to end through the binary on both backends: a send repeated
+//! Guards of the reply path, end to end through the binary on both backends: a send repeated
 //! after its post was confirmed answers "already posted" (a runtime retrying after a lost
-//! response never posts twice), and a Slack thread stop removes that thread's queued input.
+//! response never posts twice), a Slack thread stop removes that thread's queued input, and a
+//! failed wake a person asked for leaves a failure notice owed until the agent posts there.
 
 use anima_gateway::api;
+use futures::StreamExt;
 use tonic::Code;
 
 use crate::fixture::*;
@@ -110,6 +112,78 @@ async fn slack_thread_stop(backend: Backend) {
     let refused = ingest.append(thread_stop(thread, 0)).await.expect_err("refused");
     assert_eq!(refused.code(), Code::InvalidArgument);
     assert!(refused.message().contains("occurred_at_ms"), "{}", refused.message());
+}
+
+async fn next_signal(watch: &mut tonic::Streaming<api::WatchResponse>) -> api::WatchResponse {
+    tokio::time::timeout(std::time::Duration::from_secs(10), watch.next())
+        .await
+        .expect("a signal within 10 s")
+        .expect("signal")
+        .expect("ok")
+}
+
+async fn failure_notice_owed(backend: Backend) {
+    let server = Server::start(backend);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+    let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
+    let mut watch = wakes.watch(api::WatchRequest { agent_id: "ada".into() }).await.expect("watch").into_inner();
+    assert_eq!(next_signal(&mut watch).await.notices_owed, 0);
+
+    // Given a DM wake that ran and finished failed,
+    ingest.append(slack_message(&["ada"], "D1", "1700000001.000100", "", "U1", "please do it")).await.expect("append");
+    let wake = claim_and_start(&mut wakes, "ada", "w1", 0).await;
+    wakes
+        .finish(api::FinishRequest {
+            agent_id: "ada".into(),
+            worker_id: "w1".into(),
+            item_id: wake.item_id.clone(),
+            outcome: api::WakeOutcome::Failed as i32,
+            reason: "the tool crashed".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("finish");
+
+    // then Watch signals a notice owed, and Claim lists it with where it goes.
+    let mut signal = next_signal(&mut watch).await;
+    while signal.notices_owed == 0 {
+        signal = next_signal(&mut watch).await;
+    }
+    assert_eq!(signal.notices_owed, 1);
+    let claim =
+        |worker: &str| api::ClaimRequest { agent_id: "ada".into(), worker_id: worker.into(), ..Default::default() };
+    let claimed = wakes.claim(claim("w1")).await.expect("claim").into_inner();
+    assert!(claimed.wake.is_none(), "nothing else to do");
+    assert_eq!(claimed.notices_owed.len(), 1, "{claimed:?}");
+    let notice = &claimed.notices_owed[0];
+    assert_eq!(
+        (notice.item_id.as_str(), notice.reason.as_str(), notice.wake_reason.as_str()),
+        (wake.item_id.as_str(), "wake_failed", "dm")
+    );
+    assert_eq!(notice.reply_to.as_ref(), Some(&slack_target("D1", "")));
+
+    // When the agent posts its one line there, the notice is settled.
+    sends.confirm(confirm("1700000002.000100", "")).await.expect("confirm");
+    let claimed = wakes.claim(claim("w1")).await.expect("claim").into_inner();
+    assert!(claimed.notices_owed.is_empty(), "{claimed:?}");
+
+    // Analytics counts the notice owed and settled.
+    let channel = server.channel().await;
+    let mut analytics = api::analytics_client::AnalyticsClient::with_interceptor(channel, bearer(ANALYTICS_TOKEN));
+    let counts = analytics.counts(api::AnalyticsCountsRequest::default()).await.expect("counts").into_inner();
+    let total = counts.total.expect("a total");
+    assert_eq!((total.failure_notices_owed, total.failure_notices_settled), (1, 1), "{total:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_dm_wake_owes_a_notice_until_the_agent_posts_on_the_embedded_log() {
+    failure_notice_owed(Backend::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_dm_wake_owes_a_notice_until_the_agent_posts_on_jetstream() {
+    failure_notice_owed(Backend::JetStream).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
