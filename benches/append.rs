@@ -67,7 +67,9 @@ struct RecordSource {
 impl RecordSource {
     fn new(msg_id_prefix: &'static str) -> Self {
         assert_eq!(msg_id_prefix.len(), 4);
-        let subjects = (0..CHANNELS).map(|c| Subjects::newest(SubjectPrefix::default()).slack_surface(TEAM, &format!("C{c:08}"), None)).collect();
+        let subjects = (0..CHANNELS)
+            .map(|c| Subjects::newest(SubjectPrefix::default()).slack_surface(TEAM, &format!("C{c:08}"), None))
+            .collect();
         let payloads = (0..PAYLOADS_DISTINCT).map(|i| Bytes::from(payload(i, PAYLOAD_BYTES))).collect();
         RecordSource { msg_id_prefix, next: 0, subjects, payloads }
     }

@@ -191,11 +191,7 @@ async fn work_wakes(instance: &Instance, agents: impl Iterator<Item = usize>, ro
                     outcome: proto::WakeOutcome::Completed as i32,
                     ..Default::default()
                 };
-                finishes.push(record(
-                    subjects().agent(id),
-                    format!("f-{round}-{id}"),
-                    Payload::WakeFinish(finish),
-                ));
+                finishes.push(record(subjects().agent(id), format!("f-{round}-{id}"), Payload::WakeFinish(finish)));
             }
         }
     }

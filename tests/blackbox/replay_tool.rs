@@ -137,7 +137,8 @@ async fn the_tool_on_a_held_data_dir_reads_through_the_server_holding_it_or_refu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_output_parses_and_carries_rfc3339_times() {
     let mut server = Server::start(Backend::Embedded);
-    let held_seq = incident(&server).await.to_string();
+    let held = incident(&server).await;
+    let held_seq = held.to_string();
     let api_url = format!("http://{}", server.addr);
     let through_api = |command: &[&str]| {
         let mut args = vec!["replay", "--api", &api_url, "--token", REPLAY_TOKEN, "--progress", "off", "--json"];
@@ -161,7 +162,7 @@ async fn json_output_parses_and_carries_rfc3339_times() {
         rfc3339(&event["log_time"]);
         assert!(event["subject"].as_str().is_some_and(|s| s.starts_with("anima.v1.")), "{event}");
     }
-    let held = events.iter().find(|e| e["seq"].to_string() == held_seq).expect("the held send is in the timeline");
+    let held = events.iter().find(|e| e["seq"].as_u64() == Some(held)).expect("the held send is in the timeline");
     assert_eq!(held["event_type"], "send");
     assert_eq!(held["outcome"]["kind"], "send_held");
     assert!(held["verdict"]["Send"]["Held"].is_object(), "{held}");
@@ -227,7 +228,10 @@ async fn two_deployments_share_a_nats_server_under_their_own_prefixes() {
     assert!(second_events.iter().all(|e| e["subject"].as_str().is_some_and(|s| s.starts_with("acme.anima."))));
     let subjects: Vec<&str> = second_events.iter().filter_map(|e| e["subject"].as_str()).collect();
     assert!(subjects.contains(&"acme.anima.surface.slack.T1.D2"), "{subjects:?}");
-    assert!(!first_events.iter().any(|e| e.to_string().contains("hello bob")), "the first stream has its own events only");
+    assert!(
+        !first_events.iter().any(|e| e.to_string().contains("hello bob")),
+        "the first stream has its own events only"
+    );
     assert!(second_events.iter().any(|e| e.to_string().contains("hello bob")));
     assert!(!second_events.iter().any(|e| e.to_string().contains("deploy")), "the second stream has its own only");
 

@@ -961,7 +961,9 @@ impl DirectSource {
                 )))
             }
             Ok(stream) => {
-                if let Some(prefix) = crate::log::jetstream::stream_subject_prefix(&stream.cached_info().config.subjects) {
+                if let Some(prefix) =
+                    crate::log::jetstream::stream_subject_prefix(&stream.cached_info().config.subjects)
+                {
                     config.subject_prefix = prefix;
                 }
             }

@@ -404,8 +404,7 @@ mod tests {
 
     #[test]
     fn the_percent_encoding_keeps_what_nats_allows_readable() {
-        for readable in ["oc_abc", "ou_x", "ada_bot", "T024BE7LD", "!room:matrix", "$ev", "a-b", "~#@&()[]{}|,;'\"\\"]
-        {
+        for readable in ["oc_abc", "ou_x", "ada_bot", "T024BE7LD", "!room:matrix", "$ev", "a-b", "~#@&()[]{}|,;'\"\\"] {
             assert_eq!(PERCENT.encode_token(readable), readable);
         }
         assert_eq!(PERCENT.encode_token("1712345678.123456"), "1712345678%2E123456");

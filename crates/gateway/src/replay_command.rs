@@ -703,8 +703,8 @@ pub fn json_line(event: &api::ReplayReadResponse) -> anyhow::Result<String> {
     let verdict = if event.verdict.is_empty() {
         String::new()
     } else {
-        let value: serde_json::Value = serde_json::from_str(&event.verdict)
-            .unwrap_or_else(|_| serde_json::Value::String(event.verdict.clone()));
+        let value: serde_json::Value =
+            serde_json::from_str(&event.verdict).unwrap_or_else(|_| serde_json::Value::String(event.verdict.clone()));
         format!(",\"verdict\":{value}")
     };
     Ok(format!(

@@ -619,9 +619,10 @@ fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<Subjects>> {
         )));
     }
     let text = |name: &[u8]| -> LogResult<String> {
-        let value = tree.get(meta_key(name)).map_err(store_error)?.ok_or_else(|| {
-            LogError::Store(format!("embedded log has no {} record", String::from_utf8_lossy(name)))
-        })?;
+        let value = tree
+            .get(meta_key(name))
+            .map_err(store_error)?
+            .ok_or_else(|| LogError::Store(format!("embedded log has no {} record", String::from_utf8_lossy(name))))?;
         String::from_utf8(value.to_vec())
             .map_err(|_| LogError::Store(format!("embedded log {} is not UTF-8", String::from_utf8_lossy(name))))
     };

@@ -258,8 +258,7 @@ impl JetStreamConfig {
         jetstream::stream::Config {
             name: self.stream.clone(),
             subjects: vec![self.stream_subjects()],
-            metadata: [(SUBJECT_ENCODING_METADATA_KEY.to_owned(), SubjectEncoding::NEWEST.label().to_owned())]
-                .into(),
+            metadata: [(SUBJECT_ENCODING_METADATA_KEY.to_owned(), SubjectEncoding::NEWEST.label().to_owned())].into(),
             storage: StorageType::File,
             retention: RetentionPolicy::Limits,
             num_replicas: self.replicas,
@@ -713,7 +712,9 @@ async fn open_stream(context: &jetstream::Context, config: &JetStreamConfig) -> 
                     .await
                     .map_err(|e| LogError::Unavailable(format!("cannot read stream {}: {e}", config.stream)))
             }
-            CreateStreamErrorKind::JetStream(api) if api.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP => {
+            CreateStreamErrorKind::JetStream(api)
+                if api.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP =>
+            {
                 Err(LogError::Store(format!(
                     "cannot create stream {}: its subjects {} overlap another stream's on this account \
                      (another deployment? each needs its own stream name and its own subject prefix): {e}",

@@ -183,12 +183,7 @@ async fn a_stream_created_before_the_encoding_record_keeps_the_first_encoding() 
                 payload: Some(payload),
                 ..Default::default()
             };
-            context
-                .publish(subject, envelope.encode_to_vec().into())
-                .await
-                .expect("publish")
-                .await
-                .expect("stored");
+            context.publish(subject, envelope.encode_to_vec().into()).await.expect("publish").await.expect("stored");
         }
     }
 
@@ -205,9 +200,12 @@ async fn a_stream_created_before_the_encoding_record_keeps_the_first_encoding() 
 
     // Replay of the surface finds the message from before the upgrade and the one after it.
     let replayer = Replayer::new(engine.log().clone(), ReplayConfig::default());
-    let query =
-        ReadQuery { filter: EventFilter { surface: Some(chat_surface()), ..EventFilter::default() }, ..ReadQuery::default() };
-    let seqs: Vec<u64> = replayer.read(query).await.expect("read").map(|e| e.expect("event").record.seq).collect().await;
+    let query = ReadQuery {
+        filter: EventFilter { surface: Some(chat_surface()), ..EventFilter::default() },
+        ..ReadQuery::default()
+    };
+    let seqs: Vec<u64> =
+        replayer.read(query).await.expect("read").map(|e| e.expect("event").record.seq).collect().await;
     assert_eq!(seqs, [2, 3]);
     instance.stop().await.expect("stop");
 

@@ -1,10 +1,10 @@
 //! `--json`: the replay tool's answers for scripts. `state` and `explain` print one JSON document
-//! each: the API's answer as protobuf JSON (proto field names, every field present, 64-bit
-//! integers as numbers, enums by name), with an RFC 3339 time beside every log time in
-//! nanoseconds (`log_time` beside `log_time_ns`) and the recorded verdict as a JSON value rather
-//! than a string holding JSON. `timeline` prints the JSON lines of `export`. Nothing here formats
-//! Rust values with `Debug`: every field comes from the API's own messages.
-
+//! each: the API's answer as protobuf JSON (proto field names, scalar and list fields present at
+//! their defaults, 64-bit integers as numbers, enums by name), with an RFC 3339 time beside every
+//! log time in nanoseconds (`log_time` beside `log_time_ns`) and the recorded verdict as a JSON
+//! value rather than a string holding JSON. `timeline` prints the JSON lines of `export`, and
+//! `verify` its report as one document. Nothing here formats Rust values with `Debug`: every
+//! field comes from the API's own messages.
 use std::sync::OnceLock;
 
 use anima_projections::proto::EVENTS_DESCRIPTOR_SET;
@@ -26,16 +26,15 @@ fn descriptor_pool() -> &'static DescriptorPool {
 }
 
 /// One API message (`name` is its full protobuf name, e.g. `anima.v1.ReplayStateAtResponse`) as
-/// the JSON document `--json` prints.
+/// the JSON document `--json` prints: scalar and list fields always present (at their defaults
+/// when unset), a nested message only when set.
 pub fn message_document<M: prost::Message>(message: &M, name: &str) -> anyhow::Result<Value> {
     let descriptor =
         descriptor_pool().get_message_by_name(name).with_context(|| format!("no message {name} in the schema"))?;
     let dynamic = DynamicMessage::decode(descriptor, message.encode_to_vec().as_slice())
         .with_context(|| format!("re-reading {name}"))?;
-    let options = SerializeOptions::new()
-        .use_proto_field_name(true)
-        .stringify_64_bit_integers(false)
-        .skip_default_fields(false);
+    let options =
+        SerializeOptions::new().use_proto_field_name(true).stringify_64_bit_integers(false).skip_default_fields(false);
     let mut document = dynamic
         .serialize_with_options(serde_json::value::Serializer, &options)
         .with_context(|| format!("{name} as JSON"))?;
@@ -86,7 +85,7 @@ mod tests {
     use crate::api;
 
     #[test]
-    fn state_documents_carry_rfc3339_times_and_every_field() {
+    fn state_documents_carry_rfc3339_times_and_their_defaults() {
         let state = api::ReplayStateAtResponse {
             as_of_seq: 7,
             as_of_log_time_ns: 1_700_000_000_500_000_000,
@@ -107,9 +106,12 @@ mod tests {
         assert_eq!(document["as_of_log_time"], "2023-11-14T22:13:20.500Z");
         assert_eq!(document["agent"]["agent_id"], "ada_bot");
         assert_eq!(document["agent"]["queued"][0]["queued_log_time"], "2023-11-14T22:13:21.000Z");
-        // Defaults are present, so scripts need no "missing means zero" rule.
+        // Scalars and lists are present at their defaults, so scripts need no "missing means
+        // zero" rule; a part that does not apply (no surface was asked for) is absent.
         assert_eq!(document["halted"], "");
-        assert_eq!(document["surface"], Value::Null);
+        assert_eq!(document["agent"]["cursors"], Value::Array(Vec::new()));
+        assert_eq!(document["agent"]["registered"], false);
+        assert_eq!(document.get("surface"), None, "{document}");
     }
 
     #[test]
