@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendOutcome, AppendRecord, EventLog};
-use anima_engine::subject::slack_surface_subject;
+use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
 use anima_projections::proto::{self, envelope::Payload};
 use bytes::Bytes;
@@ -67,7 +67,9 @@ struct RecordSource {
 impl RecordSource {
     fn new(msg_id_prefix: &'static str) -> Self {
         assert_eq!(msg_id_prefix.len(), 4);
-        let subjects = (0..CHANNELS).map(|c| slack_surface_subject(TEAM, &format!("C{c:08}"), None)).collect();
+        let subjects = (0..CHANNELS)
+            .map(|c| Subjects::newest(SubjectPrefix::default()).slack_surface(TEAM, &format!("C{c:08}"), None))
+            .collect();
         let payloads = (0..PAYLOADS_DISTINCT).map(|i| Bytes::from(payload(i, PAYLOAD_BYTES))).collect();
         RecordSource { msg_id_prefix, next: 0, subjects, payloads }
     }

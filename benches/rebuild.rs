@@ -41,12 +41,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anima_engine::checkpoint::CheckpointStore;
-use anima_engine::command::surface_subject;
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::replay::{ReplayConfig, Replayer};
-use anima_engine::subject::agent_subject;
+use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
 use anima_engine::{Runner, RunnerConfig};
 use anima_projections::proto::{self, envelope::Payload};
@@ -79,24 +78,30 @@ const EMBEDDED_TREE: &str = "log";
 const EMBEDDED_PREFIX_RECORD: u8 = b'r';
 const STREAM: &str = "ANIMA";
 
-/// The subject the engine stores an event of the mix on (`crates/engine/src/command.rs`).
+/// The subjects of the fresh logs benchmarks fill: the default prefix and the newest encoding.
+fn subjects() -> Subjects {
+    Subjects::newest(SubjectPrefix::default())
+}
+
+/// The subject the engine stores an event of the mix on (its handlers in `crates/engine/src/command.rs`).
 fn subject_of(envelope: &proto::Envelope) -> String {
+    let subjects = subjects();
     let target_subject = |target: &Option<proto::ReplyTarget>| {
         let surface = target.as_ref().and_then(SurfaceId::from_target).expect("the mix's targets are surfaces");
-        surface_subject(&surface)
+        subjects.surface(&surface)
     };
     match envelope.payload.as_ref().expect("the mix's events have payloads") {
         Payload::SlackMessage(m) => {
-            surface_subject(&SurfaceId::slack_message(&m.team_id, &m.channel_id, &m.ts, &m.thread_ts))
+            subjects.surface(&SurfaceId::slack_message(&m.team_id, &m.channel_id, &m.ts, &m.thread_ts))
         }
         Payload::Send(request) => target_subject(&request.target),
         Payload::SendConfirmed(confirmation) => target_subject(&confirmation.target),
-        Payload::AgentRegistered(registration) => agent_subject(&registration.agent_id),
-        Payload::SubscriptionChange(change) => agent_subject(&change.agent_id),
-        Payload::WakeClaim(request) => agent_subject(&request.agent_id),
-        Payload::WakeStart(request) => agent_subject(&request.agent_id),
-        Payload::WakeFinish(request) => agent_subject(&request.agent_id),
-        Payload::WakeHeartbeat(request) => format!("{}.hb", agent_subject(&request.agent_id)),
+        Payload::AgentRegistered(registration) => subjects.agent(&registration.agent_id),
+        Payload::SubscriptionChange(change) => subjects.agent(&change.agent_id),
+        Payload::WakeClaim(request) => subjects.agent(&request.agent_id),
+        Payload::WakeStart(request) => subjects.agent(&request.agent_id),
+        Payload::WakeFinish(request) => subjects.agent(&request.agent_id),
+        Payload::WakeHeartbeat(request) => subjects.agent_heartbeat(&request.agent_id),
         other => panic!("the mix generator made an event this benchmark has no subject for: {other:?}"),
     }
 }

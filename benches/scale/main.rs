@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anima_engine::instance::{Backend, Instance, InstanceConfig};
 use anima_engine::log::embedded::EmbeddedConfig;
 use anima_engine::log::AppendRecord;
-use anima_engine::subject;
+use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_gateway::api;
 use anima_gateway::api::sends_client::SendsClient;
 use anima_projections::proto::{self, envelope::Payload};
@@ -78,6 +78,11 @@ fn dm_of(surface: usize, agents: usize) -> (usize, String) {
     (surface % agents, format!("D{surface:08}"))
 }
 
+/// The subjects of the fresh logs benchmarks fill: the default prefix and the newest encoding.
+fn subjects() -> Subjects {
+    Subjects::newest(SubjectPrefix::default())
+}
+
 fn record(subject: String, id: String, payload: Payload) -> AppendRecord {
     let envelope = proto::Envelope {
         event_id: id.clone(),
@@ -92,7 +97,7 @@ fn record(subject: String, id: String, payload: Payload) -> AppendRecord {
 fn registration(agent: usize) -> AppendRecord {
     let id = format!("a{agent}");
     record(
-        subject::agent_subject(&id),
+        subjects().agent(&id),
         format!("reg-{agent}"),
         Payload::AgentRegistered(proto::AgentRegistered {
             agent_id: id,
@@ -121,7 +126,7 @@ fn history_event(n: usize, random: &mut SplitMix, args: &Args) -> AppendRecord {
             kind: proto::SendKind::Message as i32,
             draft_bytes: 80,
         };
-        return record(subject::slack_surface_subject(TEAM, &channel, None), format!("h-{n}"), Payload::Send(send));
+        return record(subjects().slack_surface(TEAM, &channel, None), format!("h-{n}"), Payload::Send(send));
     }
     let message = proto::SlackMessageObserved {
         receiving_agent_id: format!("a{agent}"),
@@ -134,7 +139,7 @@ fn history_event(n: usize, random: &mut SplitMix, args: &Args) -> AppendRecord {
         text: format!("message {n} about the deploy"),
         ..Default::default()
     };
-    record(subject::slack_surface_subject(TEAM, &channel, None), format!("h-{n}"), Payload::SlackMessage(message))
+    record(subjects().slack_surface(TEAM, &channel, None), format!("h-{n}"), Payload::SlackMessage(message))
 }
 
 /// Agents whose wakes are worked after each appended chunk: claimed, started with the plan the
@@ -159,7 +164,7 @@ async fn work_wakes(instance: &Instance, agents: impl Iterator<Item = usize>, ro
         .map(|agent| {
             let id = format!("a{agent}");
             let claim = proto::WakeClaimRequested { agent_id: id.clone(), worker_id: "w".into(), ..Default::default() };
-            let record = record(subject::agent_subject(&id), format!("c-{round}-{agent}"), Payload::WakeClaim(claim));
+            let record = record(subjects().agent(&id), format!("c-{round}-{agent}"), Payload::WakeClaim(claim));
             (id, record)
         })
         .collect();
@@ -178,7 +183,7 @@ async fn work_wakes(instance: &Instance, agents: impl Iterator<Item = usize>, ro
                     item_id: item_id.clone(),
                     plan: claimed.plan.iter().map(|p| p.to_plan_surface()).collect(),
                 };
-                starts.push(record(subject::agent_subject(id), format!("s-{round}-{id}"), Payload::WakeStart(start)));
+                starts.push(record(subjects().agent(id), format!("s-{round}-{id}"), Payload::WakeStart(start)));
                 let finish = proto::WakeFinishRequested {
                     agent_id: id.clone(),
                     worker_id: "w".into(),
@@ -186,11 +191,7 @@ async fn work_wakes(instance: &Instance, agents: impl Iterator<Item = usize>, ro
                     outcome: proto::WakeOutcome::Completed as i32,
                     ..Default::default()
                 };
-                finishes.push(record(
-                    subject::agent_subject(id),
-                    format!("f-{round}-{id}"),
-                    Payload::WakeFinish(finish),
-                ));
+                finishes.push(record(subjects().agent(id), format!("f-{round}-{id}"), Payload::WakeFinish(finish)));
             }
         }
     }

@@ -130,3 +130,114 @@ async fn the_tool_on_a_held_data_dir_reads_through_the_server_holding_it_or_refu
     assert_eq!(stdout, "");
     assert!(stderr.contains("has not said where it listens") && stderr.contains("--api"), "{stderr}");
 }
+
+/// `--json` for scripts: every line of `timeline --json` and the one document of `state`,
+/// `explain` and `verify` parse as JSON, with RFC 3339 times beside the nanoseconds and the
+/// verdict as a JSON value; read directly, the tool prints the same documents as the API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_output_parses_and_carries_rfc3339_times() {
+    let mut server = Server::start(Backend::Embedded);
+    let held = incident(&server).await;
+    let held_seq = held.to_string();
+    let api_url = format!("http://{}", server.addr);
+    let through_api = |command: &[&str]| {
+        let mut args = vec!["replay", "--api", &api_url, "--token", REPLAY_TOKEN, "--progress", "off", "--json"];
+        args.extend_from_slice(command);
+        let (ok, stdout, stderr) = Server::run_tool(&args);
+        assert!(ok, "replay {command:?} --json failed: {stderr}");
+        stdout
+    };
+    let rfc3339 = |value: &serde_json::Value| {
+        let text = value.as_str().unwrap_or_else(|| panic!("a time string, not {value}"));
+        // 2023-11-14T22:13:20.500Z: what `--from` and `--at` read back.
+        assert!(text.len() == 24 && text.ends_with('Z') && &text[10..11] == "T", "{text}");
+    };
+
+    let timeline = through_api(&["timeline", "--agent", "ada"]);
+    let events: Vec<serde_json::Value> =
+        timeline.lines().map(|line| serde_json::from_str(line).expect("each timeline line is JSON")).collect();
+    assert!(events.len() >= 5, "{timeline}");
+    for event in &events {
+        assert!(event["seq"].is_u64() && event["log_time_ns"].is_i64(), "{event}");
+        rfc3339(&event["log_time"]);
+        assert!(event["subject"].as_str().is_some_and(|s| s.starts_with("anima.v1.")), "{event}");
+    }
+    let held = events.iter().find(|e| e["seq"].as_u64() == Some(held)).expect("the held send is in the timeline");
+    assert_eq!(held["event_type"], "send");
+    assert_eq!(held["outcome"]["kind"], "send_held");
+    assert!(held["verdict"]["Send"]["Held"].is_object(), "{held}");
+
+    let state: serde_json::Value =
+        serde_json::from_str(&through_api(&["state", "--agent", "ada"])).expect("state is one JSON document");
+    assert_eq!(state["agent"]["agent_id"], "ada");
+    assert_eq!(state["agent"]["registered"], true);
+    rfc3339(&state["as_of_log_time"]);
+    assert!(state["agent"]["cursors"].as_array().is_some_and(|c| !c.is_empty()), "{state}");
+
+    let explanation: serde_json::Value =
+        serde_json::from_str(&through_api(&["explain", &held_seq])).expect("explain is one JSON document");
+    assert_eq!(explanation["outcome"]["kind"], "send_held");
+    assert!(explanation["verdict"]["Send"]["Held"].is_object(), "{explanation}");
+    rfc3339(&explanation["log_time"]);
+    for row in explanation["rows_after_cursor"].as_array().expect("rows after the cursor") {
+        rfc3339(&row["log_time"]);
+    }
+    let text = explanation.to_string();
+    assert!(!text.contains("Some(") && !text.contains(" { "), "no Rust debug text: {text}");
+
+    server.stop();
+    let data = server.data_dir();
+    let data = data.to_str().expect("utf-8 path");
+    let (ok, direct_state, stderr) =
+        Server::run_tool(&["replay", "--data", data, "--progress", "off", "state", "--agent", "ada", "--json"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&direct_state).expect("JSON"), state);
+    let (ok, verify, stderr) = Server::run_tool(&["replay", "--data", data, "--progress", "off", "--json", "verify"]);
+    assert!(ok, "{stderr}");
+    let verify: serde_json::Value = serde_json::from_str(&verify).expect("verify is one JSON document");
+    assert_eq!(verify["passed"], true, "{verify}");
+    assert!(verify["applied_seq"].as_u64().is_some_and(|seq| seq >= 5), "{verify}");
+    assert_eq!(verify["first_difference"], serde_json::Value::Null);
+}
+
+/// Two deployments on one NATS server: each has its own stream and subject prefix, serves its
+/// own events, and the replay tool reads either stream by its name alone. A third with the first
+/// one's prefix is refused at start-up, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_deployments_share_a_nats_server_under_their_own_prefixes() {
+    let first = Server::start(Backend::JetStream);
+    let nats = first.nats_url().expect("a NATS server").to_owned();
+    let acme = |stream: &str, prefix: &str| ServerOptions {
+        args: ["--nats", &nats, "--stream", stream, "--subject-prefix", prefix].map(Into::into).to_vec(),
+        ..ServerOptions::default()
+    };
+    let second = Server::start_with(acme("ACME", "acme.anima"));
+    incident(&first).await;
+    let mut ingest = second.ingest(CONNECTOR_TOKEN).await;
+    ingest.append(slack_message(&["bob"], "D2", "1700000009.000100", "", "U2", "hello bob")).await.expect("dm");
+
+    let export = |stream: &str| {
+        let (ok, stdout, stderr) =
+            Server::run_tool(&["replay", "--nats", &nats, "--stream", stream, "--progress", "off", "export"]);
+        assert!(ok, "export of {stream}: {stderr}");
+        stdout.lines().map(|line| serde_json::from_str(line).expect("JSON line")).collect::<Vec<serde_json::Value>>()
+    };
+    let first_events = export("ANIMA");
+    let second_events = export("ACME");
+    assert!(first_events.iter().all(|e| e["subject"].as_str().is_some_and(|s| s.starts_with("anima.v1."))));
+    assert!(second_events.iter().all(|e| e["subject"].as_str().is_some_and(|s| s.starts_with("acme.anima."))));
+    let subjects: Vec<&str> = second_events.iter().filter_map(|e| e["subject"].as_str()).collect();
+    assert!(subjects.contains(&"acme.anima.surface.slack.T1.D2"), "{subjects:?}");
+    assert!(
+        !first_events.iter().any(|e| e.to_string().contains("hello bob")),
+        "the first stream has its own events only"
+    );
+    assert!(second_events.iter().any(|e| e.to_string().contains("hello bob")));
+    assert!(!second_events.iter().any(|e| e.to_string().contains("deploy")), "the second stream has its own only");
+
+    let stderr = serve_refused(
+        &std::fs::read_to_string(second.data_dir().join("../anima.toml")).expect("the fixture's config"),
+        &["--nats", &nats, "--stream", "OTHER", "--listen", "127.0.0.1:0"],
+    );
+    assert!(stderr.contains("overlap") && stderr.contains("subject prefix"), "{stderr}");
+}

@@ -23,7 +23,7 @@ use uuid::Uuid;
 use crate::clock::{Clock, SystemClock};
 use crate::log::{AppendOutcome, AppendRecord, EventLog, LogError};
 use crate::projection::Projection;
-use crate::subject;
+use crate::subject::Subjects;
 use crate::validate::{self, invalid};
 
 /// Namespace of the engine's derived (UUID v5) event ids.
@@ -214,6 +214,11 @@ impl Engine {
         &self.log
     }
 
+    /// The subjects of this engine's log: every append builds its subject with these.
+    pub fn subjects(&self) -> &Subjects {
+        self.log.subjects()
+    }
+
     pub(crate) fn envelope(&self, event_id: String, occurred_at_ms: i64, payload: Payload) -> proto::Envelope {
         proto::Envelope {
             event_id,
@@ -284,7 +289,7 @@ impl Engine {
         let event_id =
             Uuid::new_v5(&EVENT_ID_NAMESPACE, &[b"agent\0".as_slice(), &registration.encode_to_vec()].concat());
         let envelope = self.envelope(event_id.to_string(), 0, Payload::AgentRegistered(registration.clone()));
-        let (outcome, _) = self.append_and_decide(subject::agent_subject(&registration.agent_id), &envelope).await?;
+        let (outcome, _) = self.append_and_decide(self.subjects().agent(&registration.agent_id), &envelope).await?;
         Ok(outcome.seq())
     }
 
@@ -331,7 +336,7 @@ impl Engine {
 
         let identity = slack_message_identity(&message.team_id, &message.channel_id, &message.ts);
         let surface = SurfaceId::slack_message(&message.team_id, &message.channel_id, &message.ts, &message.thread_ts);
-        let subject = surface_subject(&surface);
+        let subject = self.subjects().surface(&surface);
         let mut records = Vec::with_capacity(observation.receiving_agent_ids.len());
         for agent in &observation.receiving_agent_ids {
             let key = format!("slack-message\0{identity}\0{}\0{agent}", kind.as_str_name());
@@ -410,7 +415,7 @@ impl Engine {
         let identity = chat_message_identity(&message.tenant_id, &message.chat_id, &message.message_id);
         let surface =
             SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
-        let subject = surface_subject(&surface);
+        let subject = self.subjects().surface(&surface);
         let mut records = Vec::with_capacity(observation.receiving_agent_ids.len());
         for agent in &observation.receiving_agent_ids {
             let key = format!("chat-message\0{identity}\0{agent}");
@@ -463,7 +468,7 @@ impl Engine {
         };
         let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
         let envelope = self.envelope(event_id, observation.occurred_at_ms, Payload::LinearSession(event.clone()));
-        let subject = subject::linear_session_subject(&event.session_id);
+        let subject = self.subjects().linear_session(&event.session_id);
         let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
         let Verdict::LinearSession(verdict) = verdict else { return Err(unexpected(verdict)) };
         Ok(LinearIngestOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
@@ -492,7 +497,7 @@ impl Engine {
         let key = format!("slack-thread-stop\0{surface}\0{}\0{occurred_at_ms}", stop.receiving_agent_id);
         let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
         let envelope = self.envelope(event_id, occurred_at_ms, Payload::SlackThreadStop(stop));
-        let (outcome, verdict) = self.append_and_decide(surface_subject(&surface), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().surface(&surface), &envelope).await?;
         let Verdict::ThreadStopped(verdict) = verdict else { return Err(unexpected(verdict)) };
         Ok(ThreadStopOutcome { seq: outcome.seq(), duplicate_event: outcome.is_duplicate(), verdict })
     }
@@ -529,7 +534,7 @@ impl Engine {
         }
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::LinearResponse(request.clone()));
-        let subject = subject::linear_session_subject(&request.session_id);
+        let subject = self.subjects().linear_session(&request.session_id);
         let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
         let Verdict::LinearResponse(verdict) = verdict else { return Err(unexpected(verdict)) };
         Ok(LinearResponseDecision { seq: outcome.seq(), verdict })
@@ -549,7 +554,7 @@ impl Engine {
             .ok_or_else(|| invalid("result", "must be ACCEPTED or UNKNOWN"))?;
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::LinearResponseOutcome(outcome.clone()));
-        let (appended, verdict) = self.append_and_decide(subject::agent_subject(&outcome.agent_id), &envelope).await?;
+        let (appended, verdict) = self.append_and_decide(self.subjects().agent(&outcome.agent_id), &envelope).await?;
         let Verdict::LinearResponse(verdict) = verdict else { return Err(unexpected(verdict)) };
         Ok(LinearResponseDecision { seq: appended.seq(), verdict })
     }
@@ -591,7 +596,7 @@ impl Engine {
         Self::send_kind(request.kind)?;
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::Send(request.clone()));
-        let subject = surface_subject(&surface);
+        let subject = self.subjects().surface(&surface);
         let (outcome, verdict) = self.append_and_decide(subject, &envelope).await?;
         let Verdict::Send(verdict) = verdict else { return Err(unexpected(verdict)) };
         if outcome.is_duplicate() && matches!(verdict, SendVerdict::Allowed { .. }) {
@@ -672,7 +677,7 @@ impl Engine {
         let key = format!("confirm\0{}\0{surface}\0{}\0{}", confirmation.agent_id, confirmation.ts, kind.as_str_name());
         let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
         let envelope = self.envelope(event_id, 0, Payload::SendConfirmed(confirmation.clone()));
-        let (outcome, verdict) = self.append_and_decide(surface_subject(&surface), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().surface(&surface), &envelope).await?;
         let Verdict::Journaled(journal) = verdict else { return Err(unexpected(verdict)) };
         Ok(IngestOutcome {
             agent: confirmation.agent_id,
@@ -696,7 +701,7 @@ impl Engine {
         let event_id = Self::request_event_id(request_id)?;
         let request = proto::WakeClaimRequested { claim_lease_seconds: self.config.claim_lease_seconds(), ..request };
         let envelope = self.envelope(event_id, 0, Payload::WakeClaim(request.clone()));
-        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().agent(&request.agent_id), &envelope).await?;
         match verdict {
             Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn }) => {
                 Ok(ClaimOutcome { seq: outcome.seq(), wake: None, settled_without_turn })
@@ -750,7 +755,7 @@ impl Engine {
         }
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::WakeStart(request.clone()));
-        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().agent(&request.agent_id), &envelope).await?;
         match verdict {
             Verdict::Started { .. } => Ok(outcome.seq()),
             other => Err(unexpected(other)),
@@ -781,7 +786,7 @@ impl Engine {
         }
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::WakeFinish(request.clone()));
-        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(&request.agent_id), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().agent(&request.agent_id), &envelope).await?;
         match verdict {
             Verdict::Finished { requeued, memory_outcome, .. } => {
                 Ok(FinishOutcome { seq: outcome.seq(), requeued, memory_outcome: memory_outcome.map(|o| *o) })
@@ -814,7 +819,7 @@ impl Engine {
             heartbeats.insert(key, now_ns);
         }
         let envelope = self.envelope(Uuid::now_v7().to_string(), 0, Payload::WakeHeartbeat(request.clone()));
-        let subject = format!("{}.hb", subject::agent_subject(&request.agent_id));
+        let subject = self.subjects().agent_heartbeat(&request.agent_id);
         match self.append_and_decide(subject, &envelope).await?.1 {
             Verdict::HeartbeatRecorded => Ok(true),
             other => Err(unexpected(other)),
@@ -849,7 +854,7 @@ impl Engine {
             chat_target: chat,
         };
         let envelope = self.envelope(event_id, 0, Payload::SubscriptionChange(request));
-        let (outcome, verdict) = self.append_and_decide(subject::agent_subject(agent_id), &envelope).await?;
+        let (outcome, verdict) = self.append_and_decide(self.subjects().agent(agent_id), &envelope).await?;
         match verdict {
             Verdict::SubscriptionChanged { .. } => Ok(outcome.seq()),
             other => Err(unexpected(other)),
@@ -889,7 +894,7 @@ impl Engine {
             let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();
             let request = proto::WakeRecoveryRequested { agent_id: agent.clone(), item_id: item.clone() };
             let envelope = self.envelope(event_id, 0, Payload::WakeRecovery(request));
-            match self.append_and_decide(subject::agent_subject(&agent), &envelope).await {
+            match self.append_and_decide(self.subjects().agent(&agent), &envelope).await {
                 Ok((_, Verdict::Recovered { started: true, .. })) => {
                     tracing::warn!(agent = %agent, item = %item, "re-queued a running wake whose heartbeat went silent");
                     recovered += 1;
@@ -919,18 +924,6 @@ pub async fn run_recovery_loop(
         }
     })
     .await;
-}
-
-/// The log subject of a surface.
-pub fn surface_subject(surface: &SurfaceId) -> String {
-    match surface {
-        SurfaceId::Slack { team, channel, thread_ts } => {
-            subject::slack_surface_subject(team, channel, thread_ts.as_deref())
-        }
-        SurfaceId::Chat { tenant, chat, thread } => subject::chat_surface_subject(tenant, chat, thread.as_deref()),
-        SurfaceId::Linear { session } => subject::linear_session_subject(session),
-        SurfaceId::Memory { agent } => subject::agent_subject(agent),
-    }
 }
 
 pub(crate) fn unexpected(verdict: Verdict) -> CommandError {

@@ -18,7 +18,6 @@ use uuid::Uuid;
 
 use crate::clock::Clock;
 use crate::command::{CommandError, Engine, EVENT_ID_NAMESPACE};
-use crate::subject;
 
 /// Default scheduler tick.
 pub const TICK_DEFAULT: Duration = Duration::from_secs(30);
@@ -54,7 +53,7 @@ impl Engine {
             &[b"memory-config\0".as_slice(), &prost::Message::encode_to_vec(&event), b"\0", &replaced].concat(),
         );
         let envelope = self.envelope(event_id.to_string(), 0, Payload::MemoryConfig(event));
-        self.append_and_decide(subject::CONFIG_SUBJECT.to_owned(), &envelope).await?;
+        self.append_and_decide(self.subjects().config(), &envelope).await?;
         Ok(true)
     }
 
@@ -79,7 +78,7 @@ impl Engine {
         // A fresh id per request: a refused request (the limit was full) must not shadow a later
         // one in the log's dedupe window.
         let envelope = self.envelope(Uuid::now_v7().to_string(), 0, Payload::MemoryPass(request));
-        let (_, verdict) = self.append_and_decide(subject::agent_subject(agent), &envelope).await?;
+        let (_, verdict) = self.append_and_decide(self.subjects().agent(agent), &envelope).await?;
         match verdict {
             Verdict::MemoryPassQueued { pass_id, .. } => Ok(pass_id),
             other => Err(crate::command::unexpected(other)),

@@ -54,6 +54,10 @@ impl EventLog for ObservedLog {
         self.inner.identity()
     }
 
+    fn subjects(&self) -> &crate::subject::Subjects {
+        self.inner.subjects()
+    }
+
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
         let started = Instant::now();
         let result = self.inner.append(record).await;

@@ -40,6 +40,7 @@ use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
 use crate::log::{EventLog, LogError, StoredRecord, SubjectFilter};
 use crate::projection::Projection;
+use crate::subject::Subjects;
 
 /// Errors of replay operations, each saying what the caller should do.
 #[derive(Debug, thiserror::Error)]
@@ -89,27 +90,29 @@ pub struct LogRange {
 pub struct EventFilter {
     /// Events whose payload names the agent (any `*agent_id` field).
     pub agent: Option<String>,
-    /// Events stored on the surface's subject.
+    /// Events stored on the surface's subject (built with the log's own prefix and encoding, so
+    /// clients name surfaces, never subjects).
     pub surface: Option<SurfaceId>,
     /// Payload names as in `Envelope`.
     pub event_types: BTreeSet<String>,
 }
 
 impl EventFilter {
-    /// The subject filter the log can apply itself.
-    fn subject_filter(&self) -> Option<SubjectFilter> {
-        self.surface.as_ref().map(|surface| SubjectFilter(crate::command::surface_subject(surface)))
+    /// The subject of the surface asked for, in `subjects` (the log's).
+    fn surface_subject(&self, subjects: &Subjects) -> Option<String> {
+        self.surface.as_ref().map(|surface| subjects.surface(surface))
     }
 
     pub fn is_empty(&self) -> bool {
         self.agent.is_none() && self.surface.is_none() && self.event_types.is_empty()
     }
 
-    /// Whether a record passes; its event type when it does.
-    fn matches(&self, record: &StoredRecord) -> Option<String> {
+    /// Whether a record passes; its event type when it does. `surface_subject` is
+    /// [`EventFilter::surface_subject`] in the log's subjects.
+    fn matches(&self, record: &StoredRecord, surface_subject: Option<&str>) -> Option<String> {
         let redactor = Redactor::schema();
-        if let Some(surface) = &self.surface {
-            if record.subject != crate::command::surface_subject(surface) {
+        if let Some(surface_subject) = surface_subject {
+            if record.subject != surface_subject {
                 return None;
             }
         }
@@ -347,13 +350,14 @@ impl Replayer {
         if from > to || query.limit == Some(0) {
             return Ok(stream::empty().boxed());
         }
+        let surface_subject = query.filter.surface_subject(self.log.subjects());
         // With verdicts, start from the best snapshot before the range and fold every subject.
         let (fold, read_from, subject) = if query.with_verdicts {
             let start = self.rebuild_owned(from - 1).await?;
             let next = start.seq + 1;
             (Some(start), next, None)
         } else {
-            (None, from, query.filter.subject_filter())
+            (None, from, surface_subject.clone().map(SubjectFilter))
         };
         let records = self.log.read(read_from, to, subject).await?;
         let cursor = ReadCursor {
@@ -362,6 +366,7 @@ impl Replayer {
             from,
             to,
             filter: query.filter,
+            surface_subject,
             remaining: query.limit,
             done: false,
             progress: self.config.progress.clone(),
@@ -530,6 +535,8 @@ struct ReadCursor {
     from: u64,
     to: u64,
     filter: EventFilter,
+    /// The filter's surface as a subject of the log read.
+    surface_subject: Option<String>,
     remaining: Option<u64>,
     done: bool,
     progress: Option<ProgressFn>,
@@ -575,7 +582,7 @@ impl ReadCursor {
             if record.seq < self.from {
                 continue;
             }
-            let Some(event_type) = self.filter.matches(&record) else { continue };
+            let Some(event_type) = self.filter.matches(&record, self.surface_subject.as_deref()) else { continue };
             let verdict = self.fold.as_ref().and_then(|fold| fold.state.verdict(record.seq).cloned());
             if let Some(remaining) = &mut self.remaining {
                 *remaining -= 1;
@@ -945,7 +952,9 @@ impl DirectSource {
                 path.display()
             )));
         }
-        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default())?;
+        // Read with the prefix the log holds: the tool needs no setting to read any deployment's.
+        let subject_prefix = crate::log::embedded::recorded_subject_prefix(&db)?.unwrap_or_default();
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig { subject_prefix, ..EmbeddedConfig::default() })?;
         Ok(DirectSource {
             log: Arc::new(log),
             description: format!("embedded log in {} (read directly)", path.display()),
@@ -954,12 +963,29 @@ impl DirectSource {
     }
 
     /// A JetStream stream, read directly; `data_dir` (optional) holds its checkpoint for
-    /// `verify`. Refuses a missing stream instead of creating it.
-    pub async fn open_jetstream(config: JetStreamConfig, data_dir: Option<&Path>) -> Result<DirectSource, ReplayError> {
+    /// `verify`. Refuses a missing stream instead of creating it. The subject prefix is the one
+    /// the stream captures (`config.subject_prefix` is replaced by it), so the tool reads any
+    /// deployment's stream by its name alone.
+    pub async fn open_jetstream(
+        mut config: JetStreamConfig,
+        data_dir: Option<&Path>,
+    ) -> Result<DirectSource, ReplayError> {
         let client = crate::log::jetstream::connect_client(&config, "anima-wake-replay").await?;
         let context = async_nats::jetstream::new(client);
-        if let Err(e) = context.get_stream(&config.stream).await {
-            return Err(ReplayError::Source(format!("no JetStream stream {} at {}: {e}", config.stream, config.url)));
+        match context.get_stream(&config.stream).await {
+            Err(e) => {
+                return Err(ReplayError::Source(format!(
+                    "no JetStream stream {} at {}: {e}",
+                    config.stream, config.url
+                )))
+            }
+            Ok(stream) => {
+                if let Some(prefix) =
+                    crate::log::jetstream::stream_subject_prefix(&stream.cached_info().config.subjects)
+                {
+                    config.subject_prefix = prefix;
+                }
+            }
         }
         let checkpoint = match data_dir {
             Some(path) if path.join("db").exists() => {

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use anima_engine::subject::SubjectPrefix;
 use anima_projections::memory::MemoryConfig;
 
 use crate::auth::Role;
@@ -28,6 +29,12 @@ pub struct Config {
     pub nats: Option<String>,
     #[serde(default = "default_stream")]
     pub stream: String,
+    /// The first tokens of every subject the engine writes (`anima.v1` by default): the stream
+    /// captures `<subject_prefix>.>`. A second deployment on the same NATS account needs its own
+    /// stream name and its own prefix. The embedded log records it too, and both refuse to open
+    /// an existing log under another prefix.
+    #[serde(default = "default_subject_prefix")]
+    pub subject_prefix: String,
     /// JetStream replicas of a newly created stream (3 in a cluster).
     #[serde(default = "default_replicas")]
     pub replicas: usize,
@@ -265,6 +272,9 @@ fn default_data() -> PathBuf {
 fn default_stream() -> String {
     "ANIMA".into()
 }
+fn default_subject_prefix() -> String {
+    anima_engine::subject::SUBJECT_PREFIX_DEFAULT.into()
+}
 fn default_replicas() -> usize {
     1
 }
@@ -397,6 +407,7 @@ impl Config {
             anima_engine::log::jetstream::parse_servers(nats)
                 .map_err(|e| anyhow::anyhow!("nats (--nats, ANIMA_NATS): {e}"))?;
         }
+        self.checked_subject_prefix()?;
         if self.replicas == 0 || self.replicas > 5 {
             bail!("replicas: must be 1..=5");
         }
@@ -405,6 +416,16 @@ impl Config {
         }
         self.memory_coherence.to_config()?;
         Ok(())
+    }
+
+    /// The subject prefix, checked; the error names the setting and its flag and variable.
+    pub fn checked_subject_prefix(&self) -> anyhow::Result<SubjectPrefix> {
+        SubjectPrefix::new(&self.subject_prefix).map_err(|e| {
+            anyhow::anyhow!(
+                "subject_prefix (--subject-prefix, ANIMA_SUBJECT_PREFIX): {} {e}",
+                anima_engine::validate::echo(&self.subject_prefix)
+            )
+        })
     }
 
     /// The certificate and key files when TLS is configured (`validate` checked they come together).
@@ -507,6 +528,20 @@ mod tests {
         let config: Config = toml::from_str(&long).expect("parses");
         let error = config.validate().expect_err("a 100 kB host is refused").to_string();
         assert!(error.len() < 400, "the refusal echoes at most a clipped part: {} bytes", error.len());
+    }
+
+    #[test]
+    fn the_subject_prefix_is_checked_and_a_bad_one_names_the_setting() {
+        assert_eq!(Config::default().checked_subject_prefix().expect("default").as_str(), "anima.v1");
+        check("subject_prefix = \"acme.anima.v1\"", Ok(()));
+        let setting = "subject_prefix (--subject-prefix, ANIMA_SUBJECT_PREFIX):";
+        check("subject_prefix = \"\"", Err(&format!("{setting} \"\" must not be empty")));
+        check("subject_prefix = \"acme.*\"", Err(&format!("{setting} \"acme.*\" token 1 contains '*'")));
+        check("subject_prefix = \"acme..v1\"", Err(&format!("{setting} \"acme..v1\" token 1 is empty")));
+        check("subject_prefix = \"$JS.acme\"", Err(&format!("{setting} \"$JS.acme\" token 0 contains '$'")));
+        check("subject_prefix = \"a.b.c.d.e.f.g.h.i\"", Err(&format!("{setting} \"a.b.c.d.e.f.g.h.i\" has 9")));
+        let long = format!("subject_prefix = \"{}\"", "a".repeat(65));
+        check(&long, Err(setting));
     }
 
     #[test]

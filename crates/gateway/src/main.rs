@@ -82,6 +82,10 @@ struct ServeArgs {
     /// JetStream stream name. Default ANIMA.
     #[arg(long, env = "ANIMA_STREAM")]
     stream: Option<String>,
+    /// First tokens of every subject (the stream captures PREFIX.>). Default anima.v1. Another
+    /// deployment on the same NATS account needs its own --stream and its own prefix.
+    #[arg(long, env = "ANIMA_SUBJECT_PREFIX")]
+    subject_prefix: Option<String>,
     /// Replicas of a newly created JetStream stream. Default 1.
     #[arg(long, env = "ANIMA_REPLICAS")]
     replicas: Option<usize>,
@@ -135,6 +139,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(stream) = args.stream {
         config.stream = stream;
+    }
+    if let Some(subject_prefix) = args.subject_prefix {
+        config.subject_prefix = subject_prefix;
     }
     if let Some(replicas) = args.replicas {
         config.replicas = replicas;

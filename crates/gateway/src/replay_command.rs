@@ -8,6 +8,8 @@
 //! * `verify` — rebuild from the log and compare with the checkpoint in the data dir, naming the
 //!   first differing key.
 //!
+//! Text by default; `--json` prints JSON for scripts instead (see [`json`]).
+//!
 //! It reads an embedded data dir directly (`--data`, default `./data`) when no server holds it,
 //! a JetStream stream directly (`--nats URL`), or goes through a server's gRPC API (`--api URL`,
 //! or the API of the server holding the data dir, which it records there) — and says which on
@@ -16,6 +18,7 @@
 //! Long runs show their progress on stderr (a bar on a terminal, plain lines otherwise; see
 //! [`progress`]).
 
+mod json;
 mod progress;
 
 use std::io::Write as _;
@@ -68,6 +71,12 @@ pub struct ReplayArgs {
     /// Seconds between two plain progress lines.
     #[arg(long, env = "ANIMA_PROGRESS_INTERVAL_SECS", default_value_t = 5, global = true)]
     pub progress_interval_secs: u64,
+    /// Print JSON on stdout instead of text, for scripts. timeline: JSON lines, one event per
+    /// line (the lines of export --format jsonl); state, explain and verify: one JSON document.
+    /// Every log time in nanoseconds (log_time_ns) has an RFC 3339 UTC time beside it
+    /// (log_time); verdicts are JSON values. Progress and notes stay on stderr.
+    #[arg(long, global = true)]
+    pub json: bool,
     #[command(subcommand)]
     pub command: ReplayCommand,
 }
@@ -335,7 +344,11 @@ async fn run_reading(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> any
             let mut events = source.read(request).await?;
             let mut shown = 0u64;
             while let Some(event) = events.try_next().await? {
-                writeln!(out, "{}", timeline_line(&event))?;
+                if args.json {
+                    writeln!(out, "{}", json_line(&event)?)?;
+                } else {
+                    writeln!(out, "{}", timeline_line(&event))?;
+                }
                 shown += 1;
             }
             out.flush()?;
@@ -350,12 +363,20 @@ async fn run_reading(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> any
             };
             let response = source.state_at(request).await?;
             reporter.finish();
-            write!(out, "{}", format_state(&response))?;
+            if args.json {
+                writeln!(out, "{}", json::message_document(&response, "anima.v1.ReplayStateAtResponse")?)?;
+            } else {
+                write!(out, "{}", format_state(&response))?;
+            }
         }
         ReplayCommand::Explain(explain) => {
             let response = source.explain(explain.seq).await?;
             reporter.finish();
-            write!(out, "{}", format_explanation(&response))?;
+            if args.json {
+                writeln!(out, "{}", json::message_document(&response, "anima.v1.ReplayExplainResponse")?)?;
+            } else {
+                write!(out, "{}", format_explanation(&response))?;
+            }
         }
         ReplayCommand::Export(export) => {
             let mut request = read_request(&export.selection)?;
@@ -398,11 +419,36 @@ async fn verify(args: &ReplayArgs, reporter: &Arc<ProgressReporter>) -> anyhow::
     let report = source.verify(replay_config(args, reporter)).await;
     reporter.finish();
     let report = report?;
-    println!(
-        "checkpoint at seq {} with {} entries; checkpoint sha256 {}, rebuilt sha256 {}",
-        report.applied_seq, report.entries, report.checkpoint_sha256, report.rebuilt_sha256
-    );
+    if args.json {
+        let difference = report.first_difference.as_ref().map(|difference| {
+            serde_json::json!({
+                "table": difference.table,
+                "key": difference.key,
+                "note": difference.note,
+                "checkpoint_bytes": difference.checkpoint_bytes,
+                "rebuilt_bytes": difference.rebuilt_bytes,
+                "first_differing_byte": difference.first_differing_byte,
+            })
+        });
+        let document = serde_json::json!({
+            "passed": report.passed(),
+            "applied_seq": report.applied_seq,
+            "entries": report.entries,
+            "checkpoint_sha256": report.checkpoint_sha256,
+            "rebuilt_sha256": report.rebuilt_sha256,
+            "first_difference": difference,
+        });
+        println!("{document}");
+    } else {
+        println!(
+            "checkpoint at seq {} with {} entries; checkpoint sha256 {}, rebuilt sha256 {}",
+            report.applied_seq, report.entries, report.checkpoint_sha256, report.rebuilt_sha256
+        );
+    }
     if report.passed() {
+        if args.json {
+            return Ok(());
+        }
         println!("verify: the rebuild equals the checkpoint, byte for byte");
         return Ok(());
     }
@@ -634,8 +680,9 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// One line of `export --format jsonl`: the position, the event as protobuf JSON (proto field
-/// names), the stored bytes (base64, for a newer schema), and the outcome when asked.
+/// One line of `export --format jsonl` (and of `timeline --json`): the position, the event as
+/// protobuf JSON (proto field names), the stored bytes (base64, for a newer schema), and the
+/// outcome and the recorded verdict (a JSON value) when asked.
 pub fn json_line(event: &api::ReplayReadResponse) -> anyhow::Result<String> {
     let event_json = match DynamicMessage::decode(envelope_descriptor().clone(), event.stored.as_slice()) {
         Ok(message) => {
@@ -647,22 +694,22 @@ pub fn json_line(event: &api::ReplayReadResponse) -> anyhow::Result<String> {
         }
         Err(_) => "null".to_owned(),
     };
+    // Every field of the outcome, as `state --json` prints messages.
     let outcome = match &event.outcome {
-        Some(o) => format!(
-            ",\"outcome\":{{\"kind\":{},\"wake_reason\":{},\"refusal\":{},\"settled_without_turn\":{},\
-             \"new_messages\":{},\"ordinal\":{}}}",
-            serde_json::to_string(&o.kind)?,
-            serde_json::to_string(&o.wake_reason)?,
-            serde_json::to_string(&o.refusal)?,
-            o.settled_without_turn,
-            o.new_messages,
-            o.ordinal
-        ),
+        Some(o) => format!(",\"outcome\":{}", json::message_document(o, "anima.v1.AnalyticsOutcome")?),
         None => String::new(),
+    };
+    // The verdict is the fold's structure as JSON text: embedded as a value, not a string.
+    let verdict = if event.verdict.is_empty() {
+        String::new()
+    } else {
+        let value: serde_json::Value =
+            serde_json::from_str(&event.verdict).unwrap_or_else(|_| serde_json::Value::String(event.verdict.clone()));
+        format!(",\"verdict\":{value}")
     };
     Ok(format!(
         "{{\"seq\":{},\"subject\":{},\"log_time_ns\":{},\"log_time\":{},\"event_type\":{},\"event\":{},\
-         \"stored_base64\":\"{}\"{}}}",
+         \"stored_base64\":\"{}\"{}{}}}",
         event.seq,
         serde_json::to_string(&event.subject)?,
         event.log_time_ns,
@@ -670,7 +717,8 @@ pub fn json_line(event: &api::ReplayReadResponse) -> anyhow::Result<String> {
         serde_json::to_string(&event.event_type)?,
         event_json,
         base64(&event.stored),
-        outcome
+        outcome,
+        verdict
     ))
 }
 

@@ -249,14 +249,16 @@ impl RunningServer {
 pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     config.validate()?;
     let auth = Auth::new(&config.tokens)?;
+    let subject_prefix = config.checked_subject_prefix()?;
     let backend = match &config.nats {
         Some(url) => Backend::JetStream(JetStreamConfig {
             url: url.clone(),
             stream: config.stream.clone(),
+            subject_prefix,
             replicas: config.replicas,
             ..JetStreamConfig::default()
         }),
-        None => Backend::Embedded(EmbeddedConfig::default()),
+        None => Backend::Embedded(EmbeddedConfig { subject_prefix, ..EmbeddedConfig::default() }),
     };
     let mut instance_config = InstanceConfig::new(&config.data, backend);
     instance_config.runner = RunnerConfig {

@@ -9,7 +9,15 @@
 //! | `r` + seq (u64 BE) | record: timestamp, subject, msg id, payload | the log, in seq order |
 //! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
 //! | `t` + timestamp + seq | msg id | finds expired msg ids to prune, oldest first |
-//! | `x` + name | metadata | stream identity, format version |
+//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding |
+//!
+//! Subjects: a new tree records its subject prefix and the newest subject encoding (layout
+//! `2`). A tree of layout `1` was created before either was recorded: it was written with
+//! `anima.v1` and the first encoding, and keeps both. Builds that know only layout `1` refuse a
+//! layout `2` tree, so no older build writes subjects of the wrong encoding into it. Opening a
+//! tree with a prefix other than the one it holds is refused: its stored subjects would no
+//! longer match the surfaces' subjects. (The embedded log is never shared, so the prefix cannot
+//! collide with another deployment's; it is honoured so both backends store the same subjects.)
 //!
 //! "Appended" means flushed. One writer thread owns every write: it drains the pending append
 //! requests (bounded), applies them as one `apply_batch`, calls `flush()` once and only then
@@ -34,6 +42,7 @@ use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::clock::{Clock, SystemClock};
+use crate::subject::{SubjectEncoding, SubjectPrefix, Subjects};
 
 use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter};
 
@@ -47,8 +56,13 @@ const PREFIX_META: u8 = b'x';
 
 const META_STREAM_ID: &[u8] = b"stream_id";
 const META_FORMAT: &[u8] = b"format";
-/// Layout version of this tree. A tree written by another layout is refused, never guessed at.
-const FORMAT_VERSION: &[u8] = b"1";
+const META_SUBJECT_PREFIX: &[u8] = b"subject_prefix";
+const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
+/// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
+const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
+/// Layout version of the trees this build creates: layout 1 plus the subject prefix and
+/// encoding in the metadata. A tree written by an unknown layout is refused, never guessed at.
+const FORMAT_VERSION: &[u8] = b"2";
 /// Version byte leading every stored record value.
 const RECORD_VERSION: u8 = 1;
 
@@ -79,6 +93,9 @@ pub struct EmbeddedConfig {
     /// What records are stamped with (made strictly monotonic). The wall clock unless a test
     /// injects another.
     pub clock: Arc<dyn Clock>,
+    /// The first tokens of every subject. A new tree records it; an existing one must hold the
+    /// same (see [`recorded_subject_prefix`] to open one with whatever it holds).
+    pub subject_prefix: SubjectPrefix,
 }
 
 impl Default for EmbeddedConfig {
@@ -87,6 +104,7 @@ impl Default for EmbeddedConfig {
             duplicate_window: Duration::from_secs(10 * 60),
             group_commit_records_max: 4096,
             clock: Arc::new(SystemClock),
+            subject_prefix: SubjectPrefix::default(),
         }
     }
 }
@@ -96,6 +114,7 @@ impl Default for EmbeddedConfig {
 pub struct EmbeddedLog {
     tree: sled::Tree,
     identity: String,
+    subjects: Subjects,
     group_commit_records_max: usize,
     /// `None` only while dropping: dropping the sender is what tells the writer to stop.
     requests: Option<mpsc::Sender<AppendRequest>>,
@@ -135,7 +154,7 @@ impl EmbeddedLog {
             ));
         }
         let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
-        let stream_id = open_metadata(&tree)?;
+        let (stream_id, subjects) = open_metadata(&tree, &config.subject_prefix)?;
         let (last_seq, last_timestamp_ns) = recover_tail(&tree)?;
 
         let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
@@ -155,11 +174,18 @@ impl EmbeddedLog {
             .name("anima-log-writer".into())
             .spawn(move || writer.run())
             .map_err(|e| LogError::Store(format!("cannot start the embedded log writer: {e}")))?;
-        tracing::info!(stream = %stream_id, last_seq, "embedded log opened");
+        tracing::info!(
+            stream = %stream_id,
+            subjects = %subjects.all(),
+            subject_encoding = subjects.encoding().label(),
+            last_seq,
+            "embedded log opened"
+        );
 
         Ok(EmbeddedLog {
             tree,
             identity: format!("sled:{stream_id}"),
+            subjects,
             group_commit_records_max: config.group_commit_records_max,
             requests: Some(requests_tx),
             last_seq: last_seq_rx,
@@ -199,15 +225,19 @@ impl EventLog for EmbeddedLog {
         self.identity.clone()
     }
 
+    fn subjects(&self) -> &Subjects {
+        &self.subjects
+    }
+
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
-        validate_record(&record)?;
+        validate_record(&record, &self.subjects)?;
         let outcomes = self.submit(vec![record]).await?.await.map_err(|_| writer_stopped())??;
         outcomes.into_iter().next().ok_or_else(|| LogError::Store("embedded log writer answered no outcome".into()))
     }
 
     async fn append_batch(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
         for record in &records {
-            validate_record(record)?;
+            validate_record(record, &self.subjects)?;
         }
         let total = records.len();
         // Split into group-commit-sized requests and queue them all before waiting: the writer
@@ -536,33 +566,87 @@ impl LogWriter {
     }
 }
 
-/// Reads or creates the stream identity and checks the layout version.
-fn open_metadata(tree: &sled::Tree) -> LogResult<String> {
-    let format_key = meta_key(META_FORMAT);
+/// Reads or creates the stream identity and the subjects, and checks the layout version and
+/// that the tree holds the configured prefix.
+fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String, Subjects)> {
     let id_key = meta_key(META_STREAM_ID);
-    match tree.get(&format_key).map_err(store_error)? {
-        Some(format) if format.as_ref() != FORMAT_VERSION => {
-            return Err(LogError::Store(format!(
-                "embedded log tree has layout {:?}, this build reads {:?}",
-                String::from_utf8_lossy(&format),
-                String::from_utf8_lossy(FORMAT_VERSION)
-            )));
-        }
-        Some(_) => {}
+    let subjects = match recorded_subjects(tree)? {
+        Some(subjects) => subjects,
         None => {
+            let subjects = Subjects::new(prefix.clone(), SubjectEncoding::NEWEST);
             let mut batch = sled::Batch::default();
-            batch.insert(format_key, FORMAT_VERSION);
+            batch.insert(meta_key(META_FORMAT), FORMAT_VERSION);
             batch.insert(id_key.clone(), uuid::Uuid::now_v7().to_string().as_bytes());
+            batch.insert(meta_key(META_SUBJECT_PREFIX), prefix.as_str().as_bytes());
+            batch.insert(meta_key(META_SUBJECT_ENCODING), subjects.encoding().label().as_bytes());
             tree.apply_batch(batch).map_err(store_error)?;
             tree.flush().map_err(store_error)?;
+            subjects
         }
+    };
+    if subjects.prefix() != prefix {
+        return Err(LogError::Store(format!(
+            "embedded log holds subjects under prefix {}, and the configured subject prefix is {prefix}: \
+             configure {} or use another data dir",
+            subjects.prefix(),
+            subjects.prefix()
+        )));
     }
     let stream_id = tree
         .get(&id_key)
         .map_err(store_error)?
         .ok_or_else(|| LogError::Store("embedded log has no stream identity".into()))?;
-    String::from_utf8(stream_id.to_vec())
-        .map_err(|_| LogError::Store("embedded log stream identity is not UTF-8".into()))
+    let stream_id = String::from_utf8(stream_id.to_vec())
+        .map_err(|_| LogError::Store("embedded log stream identity is not UTF-8".into()))?;
+    Ok((stream_id, subjects))
+}
+
+/// The subjects a tree holds; `None` for a new tree. Layout 1 predates the record: `anima.v1`
+/// and the first encoding.
+fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<Subjects>> {
+    let Some(format) = tree.get(meta_key(META_FORMAT)).map_err(store_error)? else {
+        return Ok(None);
+    };
+    if format.as_ref() == FORMAT_UNRECORDED_SUBJECTS {
+        return Ok(Some(Subjects::unrecorded()));
+    }
+    if format.as_ref() != FORMAT_VERSION {
+        return Err(LogError::Store(format!(
+            "embedded log tree has layout {:?}, this build reads {:?} and {:?}",
+            String::from_utf8_lossy(&format),
+            String::from_utf8_lossy(FORMAT_UNRECORDED_SUBJECTS),
+            String::from_utf8_lossy(FORMAT_VERSION)
+        )));
+    }
+    let text = |name: &[u8]| -> LogResult<String> {
+        let value = tree
+            .get(meta_key(name))
+            .map_err(store_error)?
+            .ok_or_else(|| LogError::Store(format!("embedded log has no {} record", String::from_utf8_lossy(name))))?;
+        String::from_utf8(value.to_vec())
+            .map_err(|_| LogError::Store(format!("embedded log {} is not UTF-8", String::from_utf8_lossy(name))))
+    };
+    let prefix = text(META_SUBJECT_PREFIX)?;
+    let prefix = SubjectPrefix::new(&prefix)
+        .map_err(|e| LogError::Store(format!("embedded log subject prefix {}: {e}", crate::validate::echo(&prefix))))?;
+    let label = text(META_SUBJECT_ENCODING)?;
+    let encoding = SubjectEncoding::from_label(&label).ok_or_else(|| {
+        LogError::Store(format!(
+            "embedded log records subject encoding {}, which this build does not know: a newer anima-wake created it",
+            crate::validate::echo(&label)
+        ))
+    })?;
+    Ok(Some(Subjects::new(prefix, encoding)))
+}
+
+/// The subject prefix the embedded log in `db` holds, without creating anything: `None` when
+/// `db` has no log. For tools that read an existing log whatever prefix it was written under.
+pub fn recorded_subject_prefix(db: &sled::Db) -> LogResult<Option<SubjectPrefix>> {
+    if !db.tree_names().iter().any(|name| name.as_ref() == TREE_NAME.as_bytes()) {
+        return Ok(None);
+    }
+    let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
+    Ok(recorded_subjects(&tree)?.map(|subjects| subjects.prefix().clone()))
 }
 
 /// The last stored seq and its timestamp (0, 0 when empty).
@@ -772,6 +856,67 @@ mod tests {
         assert_eq!(expiry_entries, 1);
         let entry = tree.get(msg_id_key("same")).expect("get").expect("msg id entry");
         assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
+    }
+
+    /// A tree as builds before the subject record left it: layout 1, a record on a subject of
+    /// the first encoding.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tree_from_before_the_subject_record_keeps_the_first_encoding() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        tree.insert(meta_key(META_FORMAT), FORMAT_UNRECORDED_SUBJECTS).expect("insert");
+        tree.insert(meta_key(META_STREAM_ID), &b"old-stream"[..]).expect("insert");
+        let old = record("anima.v1.agent.ada_5Fbot", "old", b"old");
+        tree.insert(record_key(1), encode_record(1, &old)).expect("insert");
+        tree.flush().expect("flush");
+        drop(tree);
+
+        assert_eq!(recorded_subject_prefix(&db).expect("read"), Some(SubjectPrefix::default()));
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        assert_eq!(log.subjects(), &Subjects::unrecorded());
+        let subject = log.subjects().agent("ada_bot");
+        assert_eq!(subject, old.subject, "new events of the agent share the old events' subject");
+        let appended = log.append(record(&subject, "new", b"new")).await.expect("append");
+        assert_eq!(appended, AppendOutcome::Appended { seq: 2 });
+        let filtered: Vec<u64> = log
+            .read(1, u64::MAX, Some(SubjectFilter(subject)))
+            .await
+            .expect("read")
+            .map(|r| r.expect("record").seq)
+            .collect()
+            .await;
+        assert_eq!(filtered, [1, 2]);
+        drop(log);
+        // Opening it again does not rewrite it under the newer layout.
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        assert_eq!(tree.get(meta_key(META_FORMAT)).expect("get").as_deref(), Some(FORMAT_UNRECORDED_SUBJECTS));
+        // Its prefix is anima.v1, and another one is refused.
+        let acme = EmbeddedConfig { subject_prefix: SubjectPrefix::new("acme").expect("prefix"), ..Default::default() };
+        let refused = EmbeddedLog::open(db, acme).expect_err("another prefix");
+        assert!(refused.to_string().contains("prefix anima.v1"), "{refused}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_tree_records_its_prefix_and_the_newest_encoding() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        assert_eq!(recorded_subject_prefix(&db).expect("read"), None);
+        let acme = SubjectPrefix::new("acme.anima").expect("prefix");
+        let config = EmbeddedConfig { subject_prefix: acme.clone(), ..EmbeddedConfig::default() };
+        let log = EmbeddedLog::open(db.clone(), config.clone()).expect("open");
+        assert_eq!(log.subjects(), &Subjects::newest(acme.clone()));
+        let subject = log.subjects().agent("ada_bot");
+        assert_eq!(subject, "acme.anima.agent.ada_bot");
+        log.append(record(&subject, "e1", b"x")).await.expect("append");
+        let outside = log.append(record("anima.v1.agent.ada_bot", "e2", b"x")).await;
+        assert!(matches!(outside, Err(LogError::Invalid(_))), "{outside:?}");
+        drop(log);
+        assert_eq!(recorded_subject_prefix(&db).expect("read"), Some(acme));
+        let refused = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect_err("the default prefix");
+        assert!(refused.to_string().contains("acme.anima"), "{refused}");
+        let reopened = EmbeddedLog::open(db, config).expect("the same prefix");
+        assert_eq!(reopened.subjects().agent("ada_bot"), subject);
     }
 
     #[test]

@@ -1,7 +1,13 @@
 //! The production event log: one NATS JetStream stream, `ANIMA` by default,
-//! capturing `anima.v1.>` with file storage, replicas from configuration, a duplicate window of at
-//! least 10 minutes and no age or size limit unless configured.
+//! capturing `<prefix>.>` (`anima.v1.>` by default) with file storage, replicas from
+//! configuration, a duplicate window of at least 10 minutes and no age or size limit unless
+//! configured.
 //!
+//! * Subjects: the stream records the token encoding of its subjects in its metadata
+//!   ([`SUBJECT_ENCODING_METADATA_KEY`]) when this log creates it. A stream without the record
+//!   was created before it existed and uses the first encoding, so its subjects stay the same
+//!   for as long as it lives. Two deployments share one account with different stream names and
+//!   different prefixes (the same prefix twice is refused by the server: overlapping subjects).
 //! * Appends: every publish carries `Nats-Msg-Id` (the record's `msg_id`), so a retry after a
 //!   timeout is deduplicated by the server; a publish that returned an error may still have been
 //!   stored (seen in failover tests). `append_batch` pipelines: it keeps at most `ack_window` ack futures in
@@ -41,7 +47,11 @@ use super::{
     validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter,
     PAYLOAD_BYTES_MAX,
 };
-use crate::subject::ALL_SUBJECTS;
+use crate::subject::{SubjectEncoding, SubjectPrefix, Subjects};
+
+/// The stream metadata key recording the token encoding of the stream's subjects (its
+/// [`SubjectEncoding::label`]). Missing: the first encoding.
+pub const SUBJECT_ENCODING_METADATA_KEY: &str = "anima_subject_encoding";
 
 /// Shortest duplicate window accepted: Slack retries for about 5 minutes, and JetStream's default
 /// of 2 minutes would let its retries through.
@@ -167,9 +177,12 @@ pub struct JetStreamConfig {
     /// [`parse_servers`]). The client connects to the first that answers and learns the rest of
     /// the cluster from it, so an engine can start while any one listed node is down.
     pub url: String,
-    /// Stream name. Several deployments can share a server under different names only if their
-    /// subjects do not overlap, and they all use `anima.v1.>`: one deployment per account.
+    /// Stream name. Several deployments can share an account under different names only if their
+    /// subjects do not overlap: each needs its own `subject_prefix` too.
     pub stream: String,
+    /// The first tokens of every subject; the stream captures `<subject_prefix>.>`. An existing
+    /// stream must capture exactly that, or it is refused.
+    pub subject_prefix: SubjectPrefix,
     /// Replicas of the stream when it is created: 1 for one server, 3 in a cluster.
     pub replicas: usize,
     /// JetStream's dedupe window; at least [`DUPLICATE_WINDOW_MIN`].
@@ -195,6 +208,7 @@ impl Default for JetStreamConfig {
         JetStreamConfig {
             url: "nats://127.0.0.1:4222".into(),
             stream: "ANIMA".into(),
+            subject_prefix: SubjectPrefix::default(),
             replicas: 1,
             duplicate_window: DUPLICATE_WINDOW_MIN,
             max_age: None,
@@ -250,11 +264,18 @@ impl JetStreamConfig {
         Ok(())
     }
 
-    /// The stream configuration this log creates when the stream is missing.
+    /// The subjects filter the stream captures, `<subject_prefix>.>`.
+    fn stream_subjects(&self) -> String {
+        format!("{}.>", self.subject_prefix)
+    }
+
+    /// The stream configuration this log creates when the stream is missing: it records the
+    /// newest subject encoding, which the new stream then keeps.
     fn stream_config(&self) -> jetstream::stream::Config {
         jetstream::stream::Config {
             name: self.stream.clone(),
-            subjects: vec![ALL_SUBJECTS.to_owned()],
+            subjects: vec![self.stream_subjects()],
+            metadata: [(SUBJECT_ENCODING_METADATA_KEY.to_owned(), SubjectEncoding::NEWEST.label().to_owned())].into(),
             storage: StorageType::File,
             retention: RetentionPolicy::Limits,
             num_replicas: self.replicas,
@@ -283,6 +304,7 @@ pub struct JetStreamLog {
     stream: jetstream::stream::Stream,
     stream_name: String,
     identity: String,
+    subjects: Subjects,
     ack_window: usize,
     /// Whether the stream allows direct gets; if not, `get` asks the leader.
     allow_direct: bool,
@@ -384,6 +406,7 @@ impl JetStreamLog {
                 "stream replicas differ from the configuration; keeping the stream's"
             );
         }
+        let subjects = Subjects::new(config.subject_prefix.clone(), recorded_encoding(&info.config, &config.stream)?);
         let allow_direct = info.config.allow_direct;
         if !allow_direct {
             tracing::warn!(stream = %config.stream, "stream does not allow direct get; reads of single events go to the leader");
@@ -392,6 +415,8 @@ impl JetStreamLog {
         tracing::info!(
             stream = %config.stream,
             %identity,
+            subjects = %subjects.all(),
+            subject_encoding = subjects.encoding().label(),
             last_seq = info.state.last_sequence,
             "JetStream log connected"
         );
@@ -401,6 +426,7 @@ impl JetStreamLog {
             stream_name: config.stream.clone(),
             stream,
             identity,
+            subjects,
             ack_window: config.ack_window,
             allow_direct,
             read_stall_timeout: config.request_timeout.saturating_mul(3).max(READ_STALL_MIN),
@@ -503,14 +529,14 @@ impl JetStreamLog {
     }
 
     async fn append_once(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
-        validate_record(&record)?;
+        validate_record(&record, &self.subjects)?;
         let ack = self.publish(&record).await?;
         self.outcome(ack.await, &record.msg_id)
     }
 
     async fn append_batch_once(&self, records: Vec<AppendRecord>) -> LogResult<Vec<AppendOutcome>> {
         for record in &records {
-            validate_record(record)?;
+            validate_record(record, &self.subjects)?;
         }
         let mut outcomes: Vec<Option<AppendOutcome>> = vec![None; records.len()];
         let mut in_flight = FuturesUnordered::new();
@@ -582,6 +608,10 @@ impl EventLog for JetStreamLog {
         self.identity.clone()
     }
 
+    fn subjects(&self) -> &Subjects {
+        &self.subjects
+    }
+
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome> {
         let appended = self.append_once(record).await;
         if appended.is_err() {
@@ -605,7 +635,7 @@ impl EventLog for JetStreamLog {
         filter: Option<SubjectFilter>,
     ) -> LogResult<BoxStream<'static, LogResult<StoredRecord>>> {
         let from_seq = from_seq.max(1);
-        let filter_subject = match plan_filter(filter.as_ref())? {
+        let filter_subject = match plan_filter(filter.as_ref(), self.subjects.prefix())? {
             FilterPlan::Nothing => return Ok(stream::empty().boxed()),
             FilterPlan::Subject(subject) => subject,
         };
@@ -657,7 +687,7 @@ impl EventLog for JetStreamLog {
         filter: Option<SubjectFilter>,
     ) -> LogResult<BoxStream<'static, LogResult<StoredRecord>>> {
         let from_seq = from_seq.max(1);
-        let filter_subject = match plan_filter(filter.as_ref())? {
+        let filter_subject = match plan_filter(filter.as_ref(), self.subjects.prefix())? {
             // Nothing can ever match: a live stream that never yields.
             FilterPlan::Nothing => return Ok(stream::pending().boxed()),
             FilterPlan::Subject(subject) => subject,
@@ -753,7 +783,7 @@ impl ConsumerReader {
     }
 }
 
-/// How a subject filter maps onto the stream, whose subjects all start with `anima.v1.`.
+/// How a subject filter maps onto the stream, whose subjects all start with its prefix.
 #[derive(Debug, PartialEq, Eq)]
 enum FilterPlan {
     /// The filter cannot match any subject of the stream.
@@ -763,33 +793,54 @@ enum FilterPlan {
 }
 
 /// Validates a filter and rewrites it for the stream: the server refuses consumer filters that
-/// are not within `anima.v1.>`, while the embedded log simply matches nothing, so filters
+/// are not within `<prefix>.>`, while the embedded log simply matches nothing, so filters
 /// outside become `Nothing` and filters wider than the stream become "everything". Within the
-/// stream the first two tokens are always `anima.v1`, so `*.*.agent.x` is `anima.v1.agent.x`.
-fn plan_filter(filter: Option<&SubjectFilter>) -> LogResult<FilterPlan> {
+/// stream the first tokens are always the prefix, so `*.*.agent.x` is `anima.v1.agent.x`.
+fn plan_filter(filter: Option<&SubjectFilter>, prefix: &SubjectPrefix) -> LogResult<FilterPlan> {
     let Some(filter) = filter else {
         return Ok(FilterPlan::Subject(String::new()));
     };
     filter.validate()?;
     let tokens: Vec<&str> = filter.0.split('.').collect();
-    let prefix_matches =
-        |index: usize, literal: &str| matches!(tokens.get(index), Some(&token) if token == literal || token == "*");
-    if tokens[0] == ">" {
-        return Ok(FilterPlan::Subject(String::new()));
+    let mut rest = tokens.as_slice();
+    for literal in prefix.tokens() {
+        match rest.split_first() {
+            Some((&">", _)) => return Ok(FilterPlan::Subject(String::new())),
+            Some((&token, tail)) if token == literal || token == "*" => rest = tail,
+            _ => return Ok(FilterPlan::Nothing),
+        }
     }
-    if !prefix_matches(0, "anima") {
-        return Ok(FilterPlan::Nothing);
+    match rest {
+        // The prefix itself is not a subject of the stream.
+        [] => Ok(FilterPlan::Nothing),
+        [">"] => Ok(FilterPlan::Subject(String::new())),
+        rest => Ok(FilterPlan::Subject(format!("{prefix}.{}", rest.join(".")))),
     }
-    match tokens.get(1) {
-        Some(&">") => return Ok(FilterPlan::Subject(String::new())),
-        Some(_) if prefix_matches(1, "v1") => {}
-        _ => return Ok(FilterPlan::Nothing),
+}
+
+/// The subject encoding a stream recorded; the first one when it recorded none (it was created
+/// before the record existed). A label this build does not know is refused: a newer build
+/// created the stream, and guessing would put one surface's events on two subjects.
+fn recorded_encoding(stream: &jetstream::stream::Config, name: &str) -> LogResult<SubjectEncoding> {
+    match stream.metadata.get(SUBJECT_ENCODING_METADATA_KEY) {
+        None => Ok(SubjectEncoding::Underscore),
+        Some(label) => SubjectEncoding::from_label(label).ok_or_else(|| {
+            LogError::Store(format!(
+                "JetStream stream {name} records subject encoding {} ({SUBJECT_ENCODING_METADATA_KEY}), which this \
+                 build does not know (it reads {}): a newer anima-wake created it",
+                crate::validate::echo(label),
+                SubjectEncoding::ALL.map(SubjectEncoding::label).join(", ")
+            ))
+        }),
     }
-    match tokens.get(2..) {
-        // `anima.v1` itself is not a subject of the stream.
-        None | Some([]) => Ok(FilterPlan::Nothing),
-        Some([">"]) => Ok(FilterPlan::Subject(String::new())),
-        Some(rest) => Ok(FilterPlan::Subject(format!("anima.v1.{}", rest.join(".")))),
+}
+
+/// The prefix of a stream capturing exactly `<prefix>.>`, if that is what its subjects are: the
+/// replay tool reads an existing stream with the prefix the stream itself holds.
+pub fn stream_subject_prefix(subjects: &[String]) -> Option<SubjectPrefix> {
+    match subjects {
+        [only] => SubjectPrefix::new(only.strip_suffix(".>")?).ok(),
+        _ => None,
     }
 }
 
@@ -805,6 +856,16 @@ async fn open_stream(context: &jetstream::Context, config: &JetStreamConfig) -> 
                     .get_stream(&config.stream)
                     .await
                     .map_err(|e| LogError::Unavailable(format!("cannot read stream {}: {e}", config.stream)))
+            }
+            CreateStreamErrorKind::JetStream(api)
+                if api.error_code() == jetstream::ErrorCode::STREAM_SUBJECT_OVERLAP =>
+            {
+                Err(LogError::Store(format!(
+                    "cannot create stream {}: its subjects {} overlap another stream's on this account \
+                     (another deployment? each needs its own stream name and its own subject prefix): {e}",
+                    config.stream,
+                    config.stream_subjects()
+                )))
             }
             CreateStreamErrorKind::JetStream(api) if retryable(&api) => Err(LogError::Unavailable(format!(
                 "cannot create stream {} yet (the cluster is electing or placing it): {e}",
@@ -827,8 +888,12 @@ async fn open_stream(context: &jetstream::Context, config: &JetStreamConfig) -> 
 /// Every reason an existing stream cannot serve as this engine's log.
 fn incompatibilities(existing: &jetstream::stream::Config, wanted: &JetStreamConfig) -> Vec<String> {
     let mut problems = Vec::new();
-    if existing.subjects != [ALL_SUBJECTS] {
-        problems.push(format!("subjects are {:?}, expected exactly [{ALL_SUBJECTS:?}]", existing.subjects));
+    let wanted_subjects = wanted.stream_subjects();
+    if existing.subjects != [wanted_subjects.as_str()] {
+        problems.push(format!(
+            "subjects are {:?}, expected exactly [{wanted_subjects:?}] (the configured subject prefix is {})",
+            existing.subjects, wanted.subject_prefix
+        ));
     }
     if existing.storage != StorageType::File {
         problems.push(format!(
@@ -986,7 +1051,11 @@ mod tests {
     use super::*;
 
     fn plan(filter: &str) -> LogResult<FilterPlan> {
-        plan_filter(Some(&SubjectFilter(filter.into())))
+        plan_filter(Some(&SubjectFilter(filter.into())), &SubjectPrefix::default())
+    }
+
+    fn plan_under(prefix: &str, filter: &str) -> LogResult<FilterPlan> {
+        plan_filter(Some(&SubjectFilter(filter.into())), &SubjectPrefix::new(prefix).expect("prefix"))
     }
 
     fn subject(filter: &str) -> Option<FilterPlan> {
@@ -995,7 +1064,7 @@ mod tests {
 
     #[test]
     fn filters_are_mapped_onto_the_stream() {
-        assert_eq!(plan_filter(None).ok(), subject(""));
+        assert_eq!(plan_filter(None, &SubjectPrefix::default()).ok(), subject(""));
         assert_eq!(plan(">").ok(), subject(""));
         assert_eq!(plan("anima.>").ok(), subject(""));
         assert_eq!(plan("anima.v1.>").ok(), subject(""));
@@ -1009,6 +1078,32 @@ mod tests {
         for malformed in ["", "anima..v1", "anima.>.x", "anima.v1.a*", "anima.v1.a b"] {
             assert!(matches!(plan(malformed), Err(LogError::Invalid(_))), "{malformed:?}");
         }
+        // Another deployment's prefix, one token or three.
+        assert_eq!(plan_under("acme", "acme.agent.*").ok(), subject("acme.agent.*"));
+        assert_eq!(plan_under("acme", "*.agent.a1").ok(), subject("acme.agent.a1"));
+        assert_eq!(plan_under("acme", "acme.>").ok(), subject(""));
+        assert_eq!(plan_under("acme", "anima.v1.agent.a1").ok(), Some(FilterPlan::Nothing));
+        assert_eq!(plan_under("acme", "acme").ok(), Some(FilterPlan::Nothing));
+        assert_eq!(plan_under("a.b.c", "a.*.c.agent.x").ok(), subject("a.b.c.agent.x"));
+        assert_eq!(plan_under("a.b.c", "a.b.>").ok(), subject(""));
+        assert_eq!(plan_under("a.b.c", "a.b.d.agent.x").ok(), Some(FilterPlan::Nothing));
+        assert_eq!(plan_under("a.b.c", "a.b").ok(), Some(FilterPlan::Nothing));
+    }
+
+    #[test]
+    fn a_stream_without_an_encoding_record_uses_the_first_encoding() {
+        let created = JetStreamConfig::default().stream_config();
+        assert_eq!(recorded_encoding(&created, "ANIMA").ok(), Some(SubjectEncoding::NEWEST));
+        let unrecorded = jetstream::stream::Config { metadata: Default::default(), ..created.clone() };
+        assert_eq!(recorded_encoding(&unrecorded, "ANIMA").ok(), Some(SubjectEncoding::Underscore));
+        let newer = jetstream::stream::Config {
+            metadata: [(SUBJECT_ENCODING_METADATA_KEY.to_owned(), "9".to_owned())].into(),
+            ..created
+        };
+        assert!(matches!(recorded_encoding(&newer, "ANIMA"), Err(LogError::Store(m)) if m.contains("\"9\"")));
+        assert_eq!(stream_subject_prefix(&["acme.anima.>".into()]), SubjectPrefix::new("acme.anima").ok());
+        assert_eq!(stream_subject_prefix(&["acme.*".into()]), None);
+        assert_eq!(stream_subject_prefix(&["a.>".into(), "b.>".into()]), None);
     }
 
     fn api_error(code: usize, err_code: u64, description: &str) -> PublishError {

@@ -12,11 +12,14 @@ pub mod jetstream;
 use bytes::Bytes;
 use futures::stream::BoxStream;
 
+use crate::subject::Subjects;
+
 /// One event to append. `msg_id` is fixed before the first attempt: retries must reuse it, since a
 /// failed append may still have been stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AppendRecord {
-    /// Full subject, e.g. `anima.v1.surface.slack.T1.C1`. Built by `crate::subject`.
+    /// Full subject, e.g. `anima.v1.surface.slack.T1.C1`, under the log's prefix. Built by the
+    /// log's [`Subjects`].
     pub subject: String,
     /// Dedupe key (`Nats-Msg-Id`): an append with an id seen inside the dedupe window is a duplicate.
     pub msg_id: String,
@@ -56,8 +59,10 @@ pub struct StoredRecord {
     pub payload: Bytes,
 }
 
-/// A NATS-style subject filter: tokens separated by `.`, `*` matches one token, a final `>`
-/// matches one or more. `None` in the APIs below means every subject.
+/// A NATS-style subject filter over full subjects (prefix included): tokens separated by `.`,
+/// `*` matches one token, a final `>` matches one or more. `None` in the APIs below means every
+/// subject. Filters come from the engine itself (built with the log's [`Subjects`]); API clients
+/// name surfaces and agents, never subjects.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SubjectFilter(pub String);
 
@@ -113,8 +118,8 @@ pub enum LogError {
     /// good. Do not retry blindly; fail closed. Maps to `FAILED_PRECONDITION`.
     #[error("event log store error: {0}")]
     Store(String),
-    /// The input cannot be stored (empty subject or msg id, subject outside `anima.v1.>`, over
-    /// the size bound). Fix the input.
+    /// The input cannot be stored (empty subject or msg id, subject outside the log's prefix,
+    /// over the size bound). Fix the input.
     #[error("invalid append: {0}")]
     Invalid(String),
 }
@@ -128,6 +133,11 @@ pub trait EventLog: Send + Sync + 'static {
     /// A stable identity of this stream (name plus creation stamp). Checkpoints taken against
     /// another identity are discarded.
     fn identity(&self) -> String;
+
+    /// The prefix and token encoding of this log's subjects: the configured prefix, and the
+    /// encoding the log recorded when it was created. Every subject appended to this log, and
+    /// every filter read from it, is built with these.
+    fn subjects(&self) -> &Subjects;
 
     /// Appends one event; returns once it is durably stored (or known to be a duplicate).
     async fn append(&self, record: AppendRecord) -> LogResult<AppendOutcome>;
@@ -164,18 +174,20 @@ pub trait EventLog: Send + Sync + 'static {
 /// fits well inside; JetStream's default max payload is 1 MiB.
 pub const PAYLOAD_BYTES_MAX: usize = 900 * 1024;
 
-/// Checks what both backends require of a record before storing it.
-pub fn validate_record(record: &AppendRecord) -> LogResult<()> {
+/// Checks what both backends require of a record before storing it: among others, that its
+/// subject lies under the log's prefix (`subjects`).
+pub fn validate_record(record: &AppendRecord, subjects: &Subjects) -> LogResult<()> {
     if record.msg_id.is_empty() || record.msg_id.len() > 256 {
         return Err(LogError::Invalid("msg_id must be 1..=256 bytes".into()));
     }
     if record.msg_id.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err(LogError::Invalid("msg_id must not contain whitespace or control characters".into()));
     }
-    if !record.subject.starts_with("anima.v1.") || crate::subject::check_subject(&record.subject).is_err() {
+    if !subjects.owns(&record.subject) || crate::subject::check_subject(&record.subject).is_err() {
         return Err(LogError::Invalid(format!(
-            "subject {} is not a valid anima.v1 subject",
-            crate::validate::echo(&record.subject)
+            "subject {} is not a valid subject under this log's prefix {}",
+            crate::validate::echo(&record.subject),
+            subjects.prefix()
         )));
     }
     if record.payload.len() > PAYLOAD_BYTES_MAX {

@@ -6,13 +6,19 @@ use std::time::Duration;
 
 use anima_engine::log::jetstream::{parse_servers, JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendRecord, EventLog, LogError, StoredRecord};
-use anima_engine::subject::agent_subject;
+use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::{NatsCluster, NatsServer, CLUSTER_NODES};
 use bytes::Bytes;
 use futures::StreamExt;
 
+/// The subjects of the fresh logs these tests append to: the default prefix and the newest
+/// encoding.
+fn subjects() -> Subjects {
+    Subjects::newest(SubjectPrefix::default())
+}
+
 fn record(msg_id: &str) -> AppendRecord {
-    AppendRecord { subject: agent_subject("a1"), msg_id: msg_id.to_owned(), payload: Bytes::from_static(b"x") }
+    AppendRecord { subject: subjects().agent("a1"), msg_id: msg_id.to_owned(), payload: Bytes::from_static(b"x") }
 }
 
 /// A server list whose first entry is down still connects: an engine restarted while one node
@@ -93,7 +99,7 @@ async fn write_through_failovers(
     for first in (0..FAILOVER_EVENTS).step_by(FAILOVER_BATCH) {
         let batch: Vec<AppendRecord> = (first..(first + FAILOVER_BATCH).min(FAILOVER_EVENTS))
             .map(|index| AppendRecord {
-                subject: agent_subject(&format!("a{}", index % 7)),
+                subject: subjects().agent(&format!("a{}", index % 7)),
                 msg_id: format!("failover-{index}"),
                 payload: Bytes::from(index.to_string()),
             })

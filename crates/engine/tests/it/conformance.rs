@@ -12,11 +12,17 @@ use anima_engine::data_dir;
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendOutcome, AppendRecord, EventLog, LogError, StoredRecord, SubjectFilter};
-use anima_engine::subject::{agent_subject, slack_surface_subject, CONFIG_SUBJECT};
+use anima_engine::subject::{SubjectEncoding, SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
+
+/// The subjects of the fresh logs these tests append to: the default prefix and the newest
+/// encoding.
+fn subjects() -> Subjects {
+    Subjects::newest(SubjectPrefix::default())
+}
 
 /// Bound on any single read or follow step in these tests.
 const STEP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -39,6 +45,7 @@ impl Fixture {
         let config = EmbeddedConfig { group_commit_records_max: 100, ..EmbeddedConfig::default() };
         let mut fixture = Fixture { log: None, backend: Backend::Embedded { dir, config } };
         fixture.log = Some(fixture.open_embedded());
+        assert_eq!(fixture.log().subjects(), &subjects(), "a new log: the default prefix, the newest encoding");
         fixture
     }
 
@@ -52,6 +59,7 @@ impl Fixture {
             ..JetStreamConfig::default()
         };
         let log = JetStreamLog::connect(config.clone()).await.expect("connect to JetStream");
+        assert_eq!(log.subjects(), &subjects(), "a new log: the default prefix, the newest encoding");
         Fixture { log: Some(Arc::new(log)), backend: Backend::JetStream { server, config } }
     }
 
@@ -169,11 +177,11 @@ async fn empty_log_has_nothing(fixture: &mut Fixture) {
 async fn appends_get_dense_ordered_seqs(fixture: &mut Fixture) {
     let log = fixture.log();
     let subjects = [
-        slack_surface_subject("T1", "C1", None),
-        agent_subject("a1"),
-        slack_surface_subject("T1", "C1", Some("1712345678.000100")),
-        CONFIG_SUBJECT.to_owned(),
-        agent_subject("a2"),
+        subjects().slack_surface("T1", "C1", None),
+        subjects().agent("a1"),
+        subjects().slack_surface("T1", "C1", Some("1712345678.000100")),
+        subjects().config(),
+        subjects().agent("a2"),
     ];
     for (i, subject) in subjects.iter().enumerate() {
         let outcome = log.append(record(subject, &format!("id-{i}"), &format!("payload {i}"))).await.expect("append");
@@ -191,12 +199,12 @@ async fn appends_get_dense_ordered_seqs(fixture: &mut Fixture) {
 
 async fn same_msg_id_is_a_duplicate_of_the_first(fixture: &mut Fixture) {
     let log = fixture.log();
-    let subject = agent_subject("a1");
+    let subject = subjects().agent("a1");
     let first = log.append(record(&subject, "event-1", "first")).await.expect("append");
     assert_eq!(first, AppendOutcome::Appended { seq: 1 });
     log.append(record(&subject, "event-2", "second")).await.expect("append");
     // Same id, different payload and subject: still the first one, nothing new stored.
-    let again = log.append(record(CONFIG_SUBJECT, "event-1", "retry")).await.expect("append");
+    let again = log.append(record(&subjects().config(), "event-1", "retry")).await.expect("append");
     assert_eq!(again, AppendOutcome::Duplicate { seq: 1 });
     assert_eq!(log.last_seq().await.expect("last_seq"), 2);
     let stored = log.get(1).await.expect("get").expect("seq 1 stored");
@@ -207,7 +215,7 @@ async fn same_msg_id_is_a_duplicate_of_the_first(fixture: &mut Fixture) {
 
 async fn batch_outcomes_are_in_input_order(fixture: &mut Fixture) {
     let log = fixture.log();
-    let subject = agent_subject("a1");
+    let subject = subjects().agent("a1");
     assert!(log.append_batch(Vec::new()).await.expect("empty batch").is_empty());
     log.append(record(&subject, "x", "x")).await.expect("append");
     let outcomes = log
@@ -257,7 +265,7 @@ async fn concurrent_appends_get_distinct_dense_seqs(fixture: &mut Fixture) {
     for writer in 0..writers {
         let log = Arc::clone(&log);
         tasks.push(tokio::spawn(async move {
-            let subject = agent_subject(&format!("a{writer}"));
+            let subject = subjects().agent(&format!("a{writer}"));
             append_n(log.as_ref(), &subject, &format!("w{writer}"), appends_per_writer).await
         }));
     }
@@ -277,10 +285,10 @@ async fn concurrent_appends_get_distinct_dense_seqs(fixture: &mut Fixture) {
 
 async fn ranges_and_filters(fixture: &mut Fixture) {
     let log = fixture.log();
-    let channel = slack_surface_subject("T1", "C1", None);
-    let thread = slack_surface_subject("T1", "C1", Some("1712345678.000100"));
-    let a1 = agent_subject("a1");
-    let a2 = agent_subject("a2");
+    let channel = subjects().slack_surface("T1", "C1", None);
+    let thread = subjects().slack_surface("T1", "C1", Some("1712345678.000100"));
+    let a1 = subjects().agent("a1");
+    let a2 = subjects().agent("a2");
     // seq:        1         2    3        4    5        6    7        8       9        10
     let subjects = [&channel, &a1, &thread, &a2, &channel, &a2, &thread, &channel, &a2, &channel];
     for (i, subject) in subjects.iter().enumerate() {
@@ -323,8 +331,8 @@ async fn ranges_and_filters(fixture: &mut Fixture) {
 
 async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
     let log = fixture.shared_log();
-    let a1 = agent_subject("a1");
-    let a2 = agent_subject("a2");
+    let a1 = subjects().agent("a1");
+    let a2 = subjects().agent("a2");
     append_n(log.as_ref(), &a1, "before", 3).await;
 
     let mut everything = log.follow(2, None).await.expect("follow");
@@ -361,7 +369,7 @@ async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
 
 async fn get_returns_stored_events(fixture: &mut Fixture) {
     let log = fixture.log();
-    let subject = agent_subject("a1");
+    let subject = subjects().agent("a1");
     append_n(log, &subject, "g", 3).await;
     assert_eq!(log.get(0).await.expect("get 0"), None);
     assert_eq!(log.get(4).await.expect("get 4"), None);
@@ -377,7 +385,7 @@ async fn get_returns_stored_events(fixture: &mut Fixture) {
 async fn timestamps_are_the_logs_and_monotonic(fixture: &mut Fixture) {
     let log = fixture.log();
     let before = now_ns();
-    let subject = agent_subject("a1");
+    let subject = subjects().agent("a1");
     append_n(log, &subject, "single", 20).await;
     let batch: Vec<AppendRecord> = (0..200).map(|i| record(&subject, &format!("batch-{i}"), "b")).collect();
     log.append_batch(batch).await.expect("batch");
@@ -411,10 +419,10 @@ async fn invalid_records_are_refused(fixture: &mut Fixture) {
         record("anima.v1.agent.*", "id", "wildcard"),
         record("other.subject", "id", "outside anima.v1"),
         record("anima.v1..x", "id", "empty token"),
-        record(&agent_subject("a1"), "", "empty msg id"),
-        record(&agent_subject("a1"), "has space", "whitespace msg id"),
+        record(&subjects().agent("a1"), "", "empty msg id"),
+        record(&subjects().agent("a1"), "has space", "whitespace msg id"),
         AppendRecord {
-            subject: agent_subject("a1"),
+            subject: subjects().agent("a1"),
             msg_id: "too-big".into(),
             payload: Bytes::from(vec![0u8; anima_engine::log::PAYLOAD_BYTES_MAX + 1]),
         },
@@ -422,7 +430,7 @@ async fn invalid_records_are_refused(fixture: &mut Fixture) {
     for bad in refused {
         let single = log.append(bad.clone()).await;
         assert!(matches!(single, Err(LogError::Invalid(_))), "{:?} gave {single:?}", bad.subject);
-        let batch = log.append_batch(vec![record(&agent_subject("a1"), "fine", "ok"), bad]).await;
+        let batch = log.append_batch(vec![record(&subjects().agent("a1"), "fine", "ok"), bad]).await;
         assert!(matches!(batch, Err(LogError::Invalid(_))), "{batch:?}");
     }
     // A refused batch stores nothing, not even its valid records.
@@ -431,7 +439,7 @@ async fn invalid_records_are_refused(fixture: &mut Fixture) {
 
 async fn everything_acknowledged_survives_reopen(fixture: &mut Fixture) {
     let identity = fixture.log().identity();
-    let subject = agent_subject("a1");
+    let subject = subjects().agent("a1");
     let batch: Vec<AppendRecord> =
         (0..50).map(|i| record(&subject, &format!("p-{i}"), &format!("payload {i}"))).collect();
     fixture.log().append_batch(batch).await.expect("batch");
@@ -452,6 +460,22 @@ async fn everything_acknowledged_survives_reopen(fixture: &mut Fixture) {
     assert_eq!(next, AppendOutcome::Appended { seq: 56 });
     let newest = log.get(56).await.expect("get").expect("seq 56");
     assert!(newest.timestamp_ns >= before[54].timestamp_ns);
+}
+
+async fn ids_stay_readable_in_subjects_across_reopen(fixture: &mut Fixture) {
+    let subject = fixture.log().subjects().agent("ada_bot");
+    assert_eq!(subject, "anima.v1.agent.ada_bot");
+    let chat = fixture.log().subjects().chat_surface("t1", "oc_abc", Some("ou_x.1"));
+    assert_eq!(chat, "anima.v1.surface.chat.t1.oc_abc.thread.ou_x%2E1");
+    fixture.log().append(record(&subject, "readable", "x")).await.expect("append");
+    fixture.log().append(record(&chat, "readable-chat", "x")).await.expect("append");
+    fixture.reopen().await;
+    let log = fixture.log();
+    // The log keeps the encoding it was created with.
+    assert_eq!(log.subjects().encoding(), SubjectEncoding::NEWEST);
+    assert_eq!(log.subjects().agent("ada_bot"), subject);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter(&subject)).await, vec![1]);
+    assert_eq!(read_seqs(log, 1, u64::MAX, filter("anima.v1.surface.chat.t1.oc_abc.thread.*")).await, vec![2]);
 }
 
 /// Instantiates every check for both backends: `conformance::embedded::<check>` and
@@ -492,6 +516,7 @@ conformance_suite!(
     timestamps_are_the_logs_and_monotonic,
     invalid_records_are_refused,
     everything_acknowledged_survives_reopen,
+    ids_stay_readable_in_subjects_across_reopen,
 );
 
 /// What only the JetStream backend has: a stream created by someone else, a server that is not
@@ -518,7 +543,7 @@ mod jetstream_only {
             ..Default::default()
         };
         let payload = Bytes::from(prost::Message::encode_to_vec(&registration));
-        let subject = agent_subject("ada");
+        let subject = subjects().agent("ada");
         log.append(AppendRecord { subject, msg_id: "e1".into(), payload }).await.expect("append");
 
         let client = async_nats::connect(server.url()).await.expect("connect");
@@ -577,7 +602,7 @@ mod jetstream_only {
     async fn a_follower_lives_through_a_server_restart() {
         let mut fixture = Fixture::jetstream().await;
         let log = fixture.shared_log();
-        let subject = agent_subject("a1");
+        let subject = subjects().agent("a1");
         append_n(log.as_ref(), &subject, "before", 2).await;
         let mut follower = log.follow(1, None).await.expect("follow");
         let (seqs_tx, mut seqs_rx) = tokio::sync::mpsc::unbounded_channel();

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::replay::{ReplayConfig, Replayer};
-use anima_engine::subject;
 use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::verdict::{SendVerdict, Verdict};
 use anima_projections::{LogPosition, State};
@@ -74,9 +73,10 @@ impl Generated {
         let db = sled::Config::new().path(dir.path()).open().expect("sled");
         let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).expect("log"));
         let mut generated = Generated { log, state: State::new(), next: 0, _dir: dir };
+        let agent_subject = generated.log.subjects().agent("ada");
         generated
             .append(
-                subject::agent_subject("ada"),
+                agent_subject,
                 Payload::AgentRegistered(proto::AgentRegistered {
                     agent_id: "ada".into(),
                     slack_bot_user_id: "UADA".into(),
@@ -109,7 +109,8 @@ impl Generated {
     async fn apply(&mut self, op: &Op) {
         let n = self.next + 1;
         let ts = format!("{}.000100", 1_700_000_000 + n);
-        let surface_subject = |channel: &str| subject::slack_surface_subject(TEAM, channel, None);
+        let subjects = self.log.subjects().clone();
+        let surface_subject = |channel: &str| subjects.slack_surface(TEAM, channel, None);
         match op {
             Op::Human(c) => {
                 let message = proto::SlackMessageObserved {
@@ -152,7 +153,7 @@ impl Generated {
                     worker_id: format!("w{worker}"),
                     ..Default::default()
                 };
-                self.append(subject::agent_subject("ada"), Payload::WakeClaim(request)).await;
+                self.append(subjects.agent("ada"), Payload::WakeClaim(request)).await;
             }
             Op::Start { forged } => {
                 let Some(active) = self.state.queue("ada").and_then(|q| q.active.clone()) else { return };
@@ -172,7 +173,7 @@ impl Generated {
                     item_id: active.item.id.clone(),
                     plan,
                 };
-                self.append(subject::agent_subject("ada"), Payload::WakeStart(request)).await;
+                self.append(subjects.agent("ada"), Payload::WakeStart(request)).await;
             }
             Op::Finish => {
                 let Some(active) = self.state.queue("ada").and_then(|q| q.active.clone()) else { return };
@@ -183,7 +184,7 @@ impl Generated {
                     outcome: proto::WakeOutcome::Completed as i32,
                     ..Default::default()
                 };
-                self.append(subject::agent_subject("ada"), Payload::WakeFinish(request)).await;
+                self.append(subjects.agent("ada"), Payload::WakeFinish(request)).await;
             }
         }
     }

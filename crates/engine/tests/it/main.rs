@@ -9,3 +9,4 @@ mod recovery;
 mod replay;
 mod runner;
 mod simulation;
+mod subjects;

@@ -17,7 +17,7 @@ use anima_engine::replay::{
     self, DirectSource, EventFilter, LogPoint, LogRange, ReadQuery, ReplayConfig, ReplayError, Replayer,
     EMBEDDED_CHECKPOINT_TREE,
 };
-use anima_engine::subject;
+use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
 use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::redact::TimeBucket;
@@ -28,6 +28,12 @@ use anima_projections::{LogPosition, State};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use prost::Message;
+
+/// The subjects of the fresh logs these tests append to: the default prefix and the newest
+/// encoding.
+fn subjects() -> Subjects {
+    Subjects::newest(SubjectPrefix::default())
+}
 
 const WAIT: Duration = Duration::from_secs(20);
 const TEAM: &str = "T1";
@@ -72,7 +78,7 @@ fn dm_from_human(n: u64, text: &str) -> AppendRecord {
             ..Default::default()
         }),
     );
-    record(subject::slack_surface_subject(TEAM, DM, None), &message)
+    record(subjects().slack_surface(TEAM, DM, None), &message)
 }
 
 fn send(n: u64) -> AppendRecord {
@@ -85,7 +91,7 @@ fn send(n: u64) -> AppendRecord {
             draft_bytes: 12,
         }),
     );
-    record(subject::slack_surface_subject(TEAM, DM, None), &request)
+    record(subjects().slack_surface(TEAM, DM, None), &request)
 }
 
 fn record(subject: String, envelope: &Envelope) -> AppendRecord {
@@ -93,7 +99,7 @@ fn record(subject: String, envelope: &Envelope) -> AppendRecord {
 }
 
 fn agent_record(id: &str, payload: Payload) -> AppendRecord {
-    record(subject::agent_subject("ada"), &envelope(id, payload))
+    record(subjects().agent("ada"), &envelope(id, payload))
 }
 
 /// The incident: ada is woken by a DM, starts, another DM arrives, her send is held, the resend
@@ -162,7 +168,7 @@ async fn incident(log: &dyn EventLog) {
         dm_from_human(2, "MARKER-are you there?"),
         send(6),
         send(7),
-        record(subject::slack_surface_subject(TEAM, DM, None), &confirmed),
+        record(subjects().slack_surface(TEAM, DM, None), &confirmed),
         agent_record("finish", finish),
     ];
     for record in rest {
@@ -482,7 +488,7 @@ async fn rebuild_equals_a_direct_fold() {
                         ..Default::default()
                     }),
                 );
-                record(subject::slack_surface_subject(TEAM, &channel, Some(&ts(n % 500))), &message)
+                record(subjects().slack_surface(TEAM, &channel, Some(&ts(n % 500))), &message)
             }
         });
         if batch.len() == 4_096 {

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use anima_engine::checkpoint::CheckpointStore;
 use anima_engine::clock::{Clock, ManualClock};
-use anima_engine::command::{surface_subject, ChatObservation, CommandError, LinearObservation, SlackObservation};
+use anima_engine::command::{ChatObservation, CommandError, LinearObservation, SlackObservation};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::replay::{ReplayConfig, Replayer};
@@ -1210,9 +1210,10 @@ impl Sim {
             source: "anima-wake".into(),
             payload: Some(Payload::Send(Self::send_request(agent, &surface))),
         };
+        let subject = self.log().subjects().surface(&surface);
         self.log()
             .append(AppendRecord {
-                subject: surface_subject(&surface),
+                subject,
                 msg_id: request_id.clone(),
                 payload: Bytes::from(envelope.encode_to_vec()),
             })
