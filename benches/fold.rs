@@ -368,6 +368,7 @@ impl MixGenerator {
             target: Some(target.clone()),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 40 + self.random.below(800),
+            mentioned_user_ids: Vec::new(),
         };
         let mut verdict = self.emit(Payload::Send(request.clone()));
         if matches!(verdict, Some(Verdict::Send(SendVerdict::Held(_)))) {

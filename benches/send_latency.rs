@@ -53,6 +53,7 @@ impl SendFixture {
                 target: Some(dm_target()),
                 kind: proto::SendKind::Message as i32,
                 draft_bytes: 512,
+                mentioned_user_ids: Vec::new(),
             })),
         };
         let mut gateway = LoopbackGateway::start(Bytes::from(request.encode_to_vec())).await;
@@ -104,6 +105,7 @@ impl SendFixture {
             target: Some(dm_target()),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 512,
+            mentioned_user_ids: Vec::new(),
             request_id: String::new(),
         };
         let started = Instant::now();

@@ -515,6 +515,7 @@ async fn send_and_confirm(
         kind: api::SendKind::Message as i32,
         draft_bytes: 120,
         request_id: String::new(),
+        mentioned_user_ids: Vec::new(),
     };
     let held = |response: &api::SendResponse| matches!(response.verdict, Some(api::send_response::Verdict::Held(_)));
     let Some(first) = timed(recorder, Rpc::Send, sends.send(send.clone())).await else { return };

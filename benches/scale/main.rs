@@ -125,6 +125,7 @@ fn history_event(n: usize, random: &mut SplitMix, args: &Args) -> AppendRecord {
             }),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 80,
+            mentioned_user_ids: Vec::new(),
         };
         return record(subjects().slack_surface(TEAM, &channel, None), format!("h-{n}"), Payload::Send(send));
     }
@@ -272,6 +273,7 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
             }),
             kind: api::SendKind::Message as i32,
             draft_bytes: 80,
+            mentioned_user_ids: Vec::new(),
             request_id: String::new(),
         };
         let sent = Instant::now();

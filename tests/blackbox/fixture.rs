@@ -89,6 +89,8 @@ pub struct ServerOptions {
     /// The body of the `[memoryCoherence]` table. `None`: no memory-pass scheduler
     /// (`tickSeconds = 0`), so passes never mix into the wakes other tests claim.
     pub memory_coherence: Option<String>,
+    /// More TOML tables, put after everything else (e.g. a `[doNotContact]` table).
+    pub tables: String,
 }
 
 pub struct Server {
@@ -162,7 +164,8 @@ impl Server {
     fn spawn(&mut self) {
         let config = self.data.path().join("anima.toml");
         let memory = self.options.memory_coherence.as_deref().unwrap_or("tickSeconds = 0");
-        let text = format!("{}\n{CONFIG}\n[memoryCoherence]\n{memory}\n", self.options.config_prefix);
+        let text =
+            format!("{}\n{CONFIG}\n[memoryCoherence]\n{memory}\n{}\n", self.options.config_prefix, self.options.tables);
         std::fs::write(&config, text).expect("write config");
         let mut command = Command::new(binary());
         command
@@ -406,6 +409,7 @@ pub fn send_request(agent: &str, target: api::ReplyTarget) -> api::SendRequest {
         kind: api::SendKind::Message as i32,
         draft_bytes: 42,
         request_id: String::new(),
+        mentioned_user_ids: Vec::new(),
     }
 }
 

@@ -1,7 +1,8 @@
 //! Guards of the reply path, end to end through the binary on both backends: a send repeated
 //! after its post was confirmed answers "already posted" (a runtime retrying after a lost
 //! response never posts twice), a Slack thread stop removes that thread's queued input, and a
-//! failed wake a person asked for leaves a failure notice owed until the agent posts there.
+//! failed wake a person asked for leaves a failure notice owed until the agent posts there, and
+//! a send that would reach a person on the do-not-contact list is refused before the hold.
 
 use anima_gateway::api;
 use futures::StreamExt;
@@ -174,6 +175,63 @@ async fn failure_notice_owed(backend: Backend) {
     let counts = analytics.counts(api::AnalyticsCountsRequest::default()).await.expect("counts").into_inner();
     let total = counts.total.expect("a total");
     assert_eq!((total.failure_notices_owed, total.failure_notices_settled), (1, 1), "{total:?}");
+}
+
+async fn do_not_contact(backend: Backend) {
+    let options = ServerOptions { tables: "[doNotContact]\nT1 = [\"U9\"]\n".into(), ..ServerOptions::default() };
+    let mut server = Server::start_on(backend, options);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
+    let not_contacted = |response: &api::SendResponse| match &response.verdict {
+        Some(api::send_response::Verdict::NotContacted(refused)) => {
+            Some((refused.reason.clone(), refused.user_id.clone()))
+        }
+        _ => None,
+    };
+    ingest.append(slack_message(&["ada"], "D9", "1700000001.000100", "", "U9", "hi ada")).await.expect("append");
+    ingest.append(slack_message(&["ada"], "D1", "1700000002.000100", "", "U1", "hi ada")).await.expect("append");
+
+    // A DM with the listed person is refused; one with another person is decided as usual.
+    let dm_listed = sends.send(send_request("ada", slack_target("D9", ""))).await.expect("send").into_inner();
+    assert_eq!(not_contacted(&dm_listed), Some(("listed".into(), "U9".into())), "{dm_listed:?}");
+    let dm_other = sends.send(send_request("ada", slack_target("D1", ""))).await.expect("send").into_inner();
+    assert!(matches!(dm_other.verdict, Some(api::send_response::Verdict::Allowed(_))), "{dm_other:?}");
+    // A DM nobody wrote in cannot be checked; a mention of the listed person is refused anywhere.
+    let unknown = sends.send(send_request("ada", slack_target("D5", ""))).await.expect("send").into_inner();
+    assert_eq!(not_contacted(&unknown), Some(("could_not_verify".into(), String::new())));
+    let mention = api::SendRequest {
+        mentioned_user_ids: vec!["U1".into(), "U9".into()],
+        ..send_request("ada", slack_target("C1", ""))
+    };
+    let mentioned = sends.send(mention).await.expect("send").into_inner();
+    assert_eq!(not_contacted(&mentioned), Some(("listed".into(), "U9".into())));
+    // A malformed mention is refused naming the field.
+    let bad =
+        api::SendRequest { mentioned_user_ids: vec!["U 1".into()], ..send_request("ada", slack_target("C1", "")) };
+    let refused = sends.send(bad).await.expect_err("refused");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(refused.message().contains("mentioned_user_ids"), "{}", refused.message());
+
+    // The list lives in the log: after a restart the same send is refused again; analytics
+    // counts the refusals.
+    server.restart();
+    let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
+    let again = sends.send(send_request("ada", slack_target("D9", ""))).await.expect("send").into_inner();
+    assert_eq!(not_contacted(&again).map(|(reason, _)| reason), Some("listed".into()));
+    let channel = server.channel().await;
+    let mut analytics = api::analytics_client::AnalyticsClient::with_interceptor(channel, bearer(ANALYTICS_TOKEN));
+    let counts = analytics.counts(api::AnalyticsCountsRequest::default()).await.expect("counts").into_inner();
+    assert_eq!(counts.total.expect("a total").sends_not_contacted, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_to_a_listed_person_is_refused_before_the_hold_on_the_embedded_log() {
+    do_not_contact(Backend::Embedded).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_to_a_listed_person_is_refused_before_the_hold_on_jetstream() {
+    do_not_contact(Backend::JetStream).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

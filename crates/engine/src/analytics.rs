@@ -283,6 +283,7 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
         wakes_not_queued_queue_full,
         failure_notices_owed,
         failure_notices_settled,
+        sends_not_contacted,
     } = from;
     into.events += events;
     into.event_bytes += event_bytes;
@@ -304,6 +305,7 @@ fn merge_figures(into: &mut Figures, from: &Figures) {
     into.wakes_not_queued_queue_full += wakes_not_queued_queue_full;
     into.failure_notices_owed += failure_notices_owed;
     into.failure_notices_settled += failure_notices_settled;
+    into.sends_not_contacted += sends_not_contacted;
 }
 
 /// How long a Counts call waits for the fold to count the newest event of its range before it

@@ -594,6 +594,19 @@ impl Engine {
         self.require_agent("agent_id", &request.agent_id)?;
         let surface = Self::target_surface(request.target.as_ref())?;
         Self::send_kind(request.kind)?;
+        if request.mentioned_user_ids.len() > anima_projections::do_not_contact::MENTIONS_MAX {
+            return Err(CommandError::TooLarge {
+                field: "mentioned_user_ids",
+                reason: format!(
+                    "{} ids, more than {}",
+                    request.mentioned_user_ids.len(),
+                    anima_projections::do_not_contact::MENTIONS_MAX
+                ),
+            });
+        }
+        for user in &request.mentioned_user_ids {
+            validate::chat_id("mentioned_user_ids", user, true)?;
+        }
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::Send(request.clone()));
         let subject = self.subjects().surface(&surface);
@@ -606,7 +619,7 @@ impl Engine {
             }
         }
         let notice = match &verdict {
-            SendVerdict::Allowed { .. } => None,
+            SendVerdict::Allowed { .. } | SendVerdict::NotContacted(_) => None,
             SendVerdict::Held(held) => {
                 let bodies = self.row_bodies(&held.shown).await?;
                 let rows: Vec<(&RowMeta, &RowBody)> =

@@ -48,6 +48,8 @@ pub struct InstanceConfig {
     /// The `memoryCoherence` configuration to append when the log's differs; `None` leaves the
     /// log's (or the defaults) in force.
     pub memory: Option<MemoryConfig>,
+    /// The do-not-contact lists of the configuration, appended when they differ from the log's.
+    pub do_not_contact: anima_projections::do_not_contact::DoNotContact,
     /// How often the memory-pass scheduler ticks; `None`: this instance runs no scheduler.
     pub memory_tick: Option<Duration>,
     /// "Now" for the scheduler and the recovery loop (the embedded log has its own, in its
@@ -67,6 +69,7 @@ impl InstanceConfig {
             recovery_interval: Duration::from_secs(30),
             append_observer: None,
             memory: None,
+            do_not_contact: Default::default(),
             // Off unless asked for: the gateway turns it on from its configuration.
             memory_tick: None,
             clock: Arc::new(SystemClock),
@@ -138,6 +141,13 @@ impl Instance {
         // its loops.
         let engine_config = EngineConfig { clock: config.clock.clone(), ..config.engine };
         let engine = Engine::new(log, projection, engine_config);
+        if engine
+            .sync_do_not_contact(&config.do_not_contact)
+            .await
+            .map_err(|e| InstanceError::CatchUp(e.to_string()))?
+        {
+            tracing::info!("doNotContact lists appended to the log");
+        }
         if let Some(memory) = &config.memory {
             if engine.sync_memory_config(memory).await.map_err(|e| InstanceError::CatchUp(e.to_string()))? {
                 tracing::info!("memoryCoherence configuration appended to the log");

@@ -44,16 +44,44 @@ impl Engine {
             return Ok(false);
         }
         let event = config.to_proto();
-        // The id names the configuration and the one it replaces: instances starting together
-        // with one file dedupe, and going back to an earlier configuration (A, B, A) within the
-        // log's dedupe window is still appended.
         let replaced = if in_log { prost::Message::encode_to_vec(&current.to_proto()) } else { Vec::new() };
-        let event_id = Uuid::new_v5(
-            &EVENT_ID_NAMESPACE,
-            &[b"memory-config\0".as_slice(), &prost::Message::encode_to_vec(&event), b"\0", &replaced].concat(),
-        );
-        let envelope = self.envelope(event_id.to_string(), 0, Payload::MemoryConfig(event));
+        let encoded = prost::Message::encode_to_vec(&event);
+        self.append_config("memory-config", &encoded, &replaced, Payload::MemoryConfig(event)).await?;
+        Ok(true)
+    }
+
+    /// Appends a configuration event on the config subject. The id names the configuration and
+    /// the one it replaces: instances starting together with one file dedupe, and going back to
+    /// an earlier configuration (A, B, A) within the log's dedupe window is still appended.
+    pub(crate) async fn append_config(
+        &self,
+        name: &str,
+        encoded: &[u8],
+        replaced: &[u8],
+        payload: Payload,
+    ) -> Result<(), CommandError> {
+        let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, &[name.as_bytes(), b"\0", encoded, b"\0", replaced].concat());
+        let envelope = self.envelope(event_id.to_string(), 0, payload);
         self.append_and_decide(self.subjects().config(), &envelope).await?;
+        Ok(())
+    }
+
+    /// Appends the do-not-contact lists when they differ from the log's (an empty
+    /// configuration is not appended to a log that never had one). Returns whether it appended.
+    pub async fn sync_do_not_contact(
+        &self,
+        config: &anima_projections::do_not_contact::DoNotContact,
+    ) -> Result<bool, CommandError> {
+        let current = self.projection().state().do_not_contact_config().cloned();
+        match &current {
+            Some(current) if current == config => return Ok(false),
+            None if config.lists.is_empty() => return Ok(false),
+            _ => {}
+        }
+        let event = config.to_proto();
+        let replaced = current.map(|c| prost::Message::encode_to_vec(&c.to_proto())).unwrap_or_default();
+        let encoded = prost::Message::encode_to_vec(&event);
+        self.append_config("do-not-contact", &encoded, &replaced, Payload::DoNotContact(event)).await?;
         Ok(true)
     }
 

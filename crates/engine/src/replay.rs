@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use anima_projections::do_not_contact::NotContactedReason;
 use anima_projections::journal::RowMeta;
 use anima_projections::proto::{self, envelope::Payload};
 use anima_projections::redact::refusal_name;
@@ -497,7 +498,7 @@ impl Replayer {
             if let (Some(cursor), Verdict::Send(send)) = (explanation.cursor.as_mut(), &verdict) {
                 cursor.foreign_rows_after_cursor = match send {
                     SendVerdict::Held(held) => held.new_messages,
-                    SendVerdict::Allowed { .. } => 0,
+                    SendVerdict::Allowed { .. } | SendVerdict::NotContacted(_) => 0,
                 };
             }
         }
@@ -657,6 +658,26 @@ fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &
             } else {
                 facts.push("no row is after the cursor: the send is allowed".to_owned());
             }
+        }
+        Verdict::Send(SendVerdict::NotContacted(refused)) => {
+            let agent = agent_of(envelope);
+            let member = match &refused.dm_member {
+                Some(member) => format!("; the DM's other member is {member}"),
+                None => String::new(),
+            };
+            facts.push(match (refused.reason, &refused.user_id) {
+                (NotContactedReason::Listed, Some(user)) => format!(
+                    "{user} is on the do-not-contact list of the workspace and {agent}'s post to {} would reach them{member}",
+                    refused.surface
+                ),
+                (NotContactedReason::CouldNotVerify, _) => format!(
+                    "the workspace has a do-not-contact list and the other member of the DM {} is not known yet, so it cannot be checked",
+                    refused.surface
+                ),
+                (_, _) => "the do-not-contact configuration in the log does not validate: every send is refused".to_owned(),
+            });
+            facts
+                .push(format!("so the send is refused before the hold ({}); no cursor moved", refused.reason.as_str()));
         }
         Verdict::Send(SendVerdict::Held(held)) => {
             let agent = agent_of(envelope);

@@ -49,6 +49,11 @@ pub struct Config {
     /// The memory pass. Appended to the log at start-up when it differs.
     #[serde(default, rename = "memoryCoherence")]
     pub memory_coherence: MemoryCoherenceSettings,
+    /// People no agent may DM or @mention, per workspace (Slack team id or chat tenant id):
+    /// `[doNotContact]` with `T1 = ["U123", "U456"]`. Appended to the log at start-up when it
+    /// differs.
+    #[serde(default, rename = "doNotContact")]
+    pub do_not_contact: std::collections::BTreeMap<String, Vec<String>>,
     /// Prometheus metrics (`GET /metrics`) on their own HTTP listener; off when unset. The
     /// metrics carry no content and no ids, so the listener has no auth: bind it where only the
     /// scraper reaches it.
@@ -415,7 +420,27 @@ impl Config {
             bail!("runner.checkpoint_every_events: must be at least 1");
         }
         self.memory_coherence.to_config()?;
+        self.do_not_contact_config()?;
         Ok(())
+    }
+
+    /// The do-not-contact lists, checked; the error names the key (`doNotContact.<workspace>`).
+    pub fn do_not_contact_config(&self) -> anyhow::Result<anima_projections::do_not_contact::DoNotContact> {
+        use anima_projections::proto::{DoNotContactConfigured, DoNotContactList};
+        for (workspace, users) in &self.do_not_contact {
+            let single = DoNotContactConfigured {
+                lists: vec![DoNotContactList { workspace_id: workspace.clone(), user_ids: users.clone() }],
+            };
+            anima_projections::do_not_contact::DoNotContact::from_proto(&single)
+                .map_err(|e| anyhow::anyhow!("doNotContact.{}: {e}", anima_engine::validate::echo(workspace)))?;
+        }
+        let lists = self
+            .do_not_contact
+            .iter()
+            .map(|(workspace, users)| DoNotContactList { workspace_id: workspace.clone(), user_ids: users.clone() })
+            .collect();
+        anima_projections::do_not_contact::DoNotContact::from_proto(&DoNotContactConfigured { lists })
+            .map_err(|e| anyhow::anyhow!("doNotContact: {e}"))
     }
 
     /// The subject prefix, checked; the error names the setting and its flag and variable.
@@ -542,6 +567,15 @@ mod tests {
         check("subject_prefix = \"a.b.c.d.e.f.g.h.i\"", Err(&format!("{setting} \"a.b.c.d.e.f.g.h.i\" has 9")));
         let long = format!("subject_prefix = \"{}\"", "a".repeat(65));
         check(&long, Err(setting));
+    }
+
+    #[test]
+    fn do_not_contact_lists_are_checked_and_errors_name_the_workspace() {
+        check("[doNotContact]\nT1 = [\"U1\", \"U2\"]\nT2 = []", Ok(()));
+        check("[doNotContact]\nT1 = [\"\"]", Err("doNotContact.\"T1\": workspace T1: entry 0 is empty"));
+        check("[doNotContact]\nT1 = [\"U 1\"]", Err("doNotContact.\"T1\": workspace T1: entry 0 contains whitespace"));
+        let long = format!("[doNotContact]\nT1 = [\"{}\"]", "U".repeat(97));
+        check(&long, Err("doNotContact.\"T1\": workspace T1: entry 0 is 97 bytes"));
     }
 
     #[test]

@@ -270,6 +270,7 @@ impl Metrics {
         let verdict = match verdict {
             SendVerdict::Allowed { .. } => "allowed",
             SendVerdict::Held(_) => "held",
+            SendVerdict::NotContacted(_) => "not_contacted",
         };
         self.sends.get_or_create(&VerdictLabels { verdict }).inc();
     }

@@ -197,6 +197,7 @@ fn figures(figures: &Figures) -> api::AnalyticsFigures {
         wakes_not_queued_queue_full: figures.wakes_not_queued_queue_full,
         failure_notices_owed: figures.failure_notices_owed,
         failure_notices_settled: figures.failure_notices_settled,
+        sends_not_contacted: figures.sends_not_contacted,
     }
 }
 

@@ -278,6 +278,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     let metrics = Arc::new(Metrics::new());
     instance_config.append_observer = Some(metrics.clone());
     instance_config.memory = Some(config.memory_coherence.to_config()?);
+    instance_config.do_not_contact = config.do_not_contact_config()?;
     instance_config.memory_tick = config.memory_coherence.tick();
     // Read and checked before the log is opened, so a bad certificate fails start-up at once.
     let tls = match config.tls_files() {

@@ -400,6 +400,7 @@ impl api::sends_server::Sends for Services {
             target: request.target,
             kind: request.kind,
             draft_bytes: request.draft_bytes,
+            mentioned_user_ids: request.mentioned_user_ids,
         };
         let decision = self.engine.send(send, &request.request_id).await.map_err(status)?;
         self.metrics.send_decided(&decision.verdict);
@@ -417,6 +418,10 @@ impl api::sends_server::Sends for Services {
                 shown: held.shown.len() as u32,
                 omitted: u32::try_from(held.omitted).unwrap_or(u32::MAX),
                 notice: decision.notice.unwrap_or_default(),
+            }),
+            SendVerdict::NotContacted(refused) => api::send_response::Verdict::NotContacted(api::SendNotContacted {
+                reason: refused.reason.as_str().to_owned(),
+                user_id: refused.user_id.unwrap_or_default(),
             }),
         };
         Ok(Response::new(api::SendResponse { decided_at_seq: decision.seq, verdict: Some(verdict) }))

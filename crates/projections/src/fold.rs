@@ -62,6 +62,7 @@ impl State {
             Some(Payload::MemoryConfig(config)) => self.configure_memory(config),
             Some(Payload::MemoryPass(request)) => self.request_memory_pass(at, request),
             Some(Payload::SlackThreadStop(stop)) => self.stop_slack_thread(stop),
+            Some(Payload::DoNotContact(config)) => self.configure_do_not_contact(config),
             None if envelope.min_reader_version > READER_VERSION => {
                 self.meta.halted = Some(Halt {
                     seq: at.seq,
@@ -310,6 +311,10 @@ impl State {
             is_bot,
             identity,
         } = incoming;
+        if direct && !is_bot && owner.is_none() {
+            let dm = self.surfaces.intern(&surface.top_level());
+            self.note_dm_member(dm, user_id);
+        }
         let surface_key = self.surfaces.intern(&surface);
         let existing = self.identity_ordinal(surface_key, id);
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);

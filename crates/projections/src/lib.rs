@@ -8,6 +8,7 @@
 
 pub mod cold;
 pub mod cursor;
+pub mod do_not_contact;
 pub mod failure_notice;
 pub mod fold;
 pub mod intern;

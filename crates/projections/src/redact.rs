@@ -449,6 +449,10 @@ impl RedactedOutcome {
             },
             Verdict::AgentRegistered => RedactedOutcome::kind("agent_registered"),
             Verdict::Send(SendVerdict::Allowed { .. }) => RedactedOutcome::kind("send_allowed"),
+            Verdict::Send(SendVerdict::NotContacted(refused)) => RedactedOutcome {
+                refusal: Some(refused.reason.as_str().to_owned()),
+                ..RedactedOutcome::kind("send_not_contacted")
+            },
             Verdict::Send(SendVerdict::Held(held)) => RedactedOutcome {
                 new_messages: held.new_messages,
                 shown: held.shown.len() as u64,
@@ -578,6 +582,8 @@ pub struct Figures {
     /// Failure notices owed (a wake a person asked for was given up), and settled by a post.
     pub failure_notices_owed: u64,
     pub failure_notices_settled: u64,
+    /// Sends refused before the hold by the do-not-contact check.
+    pub sends_not_contacted: u64,
 }
 
 impl Figures {
@@ -599,6 +605,7 @@ impl Figures {
         match kind {
             "send_allowed" => self.sends_allowed += 1,
             "send_held" => self.sends_held += 1,
+            "send_not_contacted" => self.sends_not_contacted += 1,
             "claimed" => {
                 self.claims += 1;
                 self.notes_shown += u64::from(outcome.is_some_and(|o| o.note_shown));

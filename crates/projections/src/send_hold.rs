@@ -6,7 +6,8 @@
 //! log. Any inconsistency fails closed. The draft itself never reaches the log.
 //!
 //! Guards come before the hold: while the agent's active wake is a memory pass, nothing is
-//! posted (the pass is sealed); such a refusal moves no cursor.
+//! posted (the pass is sealed); a post that would reach someone on the do-not-contact list is
+//! refused ([`crate::do_not_contact`]); such refusals move no cursor.
 
 use serde::{Deserialize, Serialize};
 
@@ -68,6 +69,9 @@ impl State {
         };
         if matches!(surface, SurfaceId::Linear { .. }) {
             return refused(RefusalKind::InvalidArgument, "a Linear session is answered with Sends.Respond, not Send");
+        }
+        if let Some(refusal) = self.check_do_not_contact(&surface, &request.mentioned_user_ids) {
+            return Verdict::Send(SendVerdict::NotContacted(refusal));
         }
         let cursor_key = self.agent_keys.key(agent).zip(self.surfaces.key(&surface));
         let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursors.get(&key).copied()?)))

@@ -127,6 +127,11 @@ pub struct State {
     pub posted_send_order: Table<u64, String>,
     /// (agent, log seq of the finish) → a failure notice the agent owes the person who asked.
     pub notices_owed: Table<(String, u64), crate::failure_notice::OwedNotice>,
+    /// The do-not-contact lists in the log (absent: never configured).
+    pub do_not_contact: Table<(), crate::do_not_contact::DoNotContact>,
+    /// A DM's top-level surface → its other member (the person who writes in it), for the
+    /// do-not-contact check.
+    pub dm_members: Table<SurfaceKey, String>,
     /// Where entries of the cold tables that left memory are read back from.
     pub cold: Cold,
 }
@@ -368,7 +373,9 @@ state_tables! {
     25 => linear_session_order,
     28 => posted_sends,
     29 => posted_send_order,
-    30 => notices_owed;
+    30 => notices_owed,
+    31 => do_not_contact,
+    32 => dm_members;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -507,6 +514,8 @@ impl State {
             + self.memory_open.len()
             + self.posted_sends.len() * 2
             + self.notices_owed.len()
+            + self.dm_members.len()
+            + self.do_not_contact.get(&()).map_or(0, |c| c.lists.values().map(|users| users.len() + 1).sum())
             + self.surfaces.len()
             + self.agent_keys.len();
         self.cold_resident_len() * COLD_ENTRY_BYTES + hot_entries * HOT_ENTRY_BYTES + queued * QUEUED_WAKE_BYTES

@@ -101,6 +101,9 @@ pub enum SendVerdict {
     Allowed { surface: SurfaceId, cursor_before: Option<u64>, cursor_after: Option<u64> },
     /// Foreign messages arrived after the cursor: show them; the cursor passed the tail.
     Held(HeldSend),
+    /// Refused before the hold: the post would reach a person on the do-not-contact list (or
+    /// the list cannot be checked). No cursor moved.
+    NotContacted(crate::do_not_contact::NotContacted),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -144,6 +144,7 @@ impl Generated {
                     target: Some(slack_target(CHANNELS[*c])),
                     kind: kind as i32,
                     draft_bytes: 10,
+                    mentioned_user_ids: Vec::new(),
                 };
                 self.append(surface_subject(CHANNELS[*c]), Payload::Send(request)).await;
             }
@@ -213,6 +214,9 @@ async fn check_explanation(replayer: &Replayer, fold: &State, seq: u64) -> Resul
                         prop_assert_eq!(cursor.tail, *after, "seq {}: the cursor passed the tail", seq);
                     }
                     prop_assert!(facts.contains("allowed") && !facts.contains("held"), "seq {}: {}", seq, facts);
+                }
+                SendVerdict::NotContacted(refused) => {
+                    prop_assert!(false, "seq {}: these logs configure no do-not-contact list: {:?}", seq, refused);
                 }
                 SendVerdict::Held(held) => {
                     prop_assert_eq!(cursor.cursor, Some(held.cursor_before), "seq {}", seq);

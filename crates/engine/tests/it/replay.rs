@@ -89,6 +89,7 @@ fn send(n: u64) -> AppendRecord {
             target: Some(target()),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 12,
+            mentioned_user_ids: Vec::new(),
         }),
     );
     record(subjects().slack_surface(TEAM, DM, None), &request)

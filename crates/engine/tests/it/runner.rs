@@ -66,6 +66,7 @@ fn events(messages: usize, id_prefix: &str) -> Vec<AppendRecord> {
                     }),
                     kind: proto::SendKind::Message as i32,
                     draft_bytes: 10,
+                    mentioned_user_ids: Vec::new(),
                 }),
             ));
         }
@@ -283,6 +284,7 @@ fn fleet_events(agents: usize, total: usize, seed: u64) -> Vec<AppendRecord> {
                     target: Some(slack(channel)),
                     kind: proto::SendKind::Message as i32,
                     draft_bytes: 10,
+                    mentioned_user_ids: Vec::new(),
                 };
                 emit(Payload::Send(send), &mut shadow);
             }

@@ -1136,6 +1136,7 @@ impl Sim {
             target: Some(surface.to_target()),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 42,
+            mentioned_user_ids: Vec::new(),
         }
     }
 
@@ -1867,6 +1868,11 @@ impl Model {
         match (cursor, decided) {
             (None, SendVerdict::Allowed { cursor_before: None, .. }) => {
                 self.exercised.sends_allowed_without_cursor += 1
+            }
+            (_, SendVerdict::NotContacted(refused)) => {
+                return Err(format!(
+                    "seq {seq}: no do-not-contact list is configured, yet the fold refused {refused:?}"
+                ))
             }
             (None, other) => {
                 return Err(format!("seq {seq}: {agent} has no cursor on {surface}; the fold decided {other:?}"))

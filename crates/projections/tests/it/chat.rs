@@ -131,6 +131,7 @@ fn send_to_chat(chat: &str, thread: &str) -> Envelope {
             target: Some(chat_target(chat, thread)),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 5,
+            mentioned_user_ids: Vec::new(),
         })),
     }
 }

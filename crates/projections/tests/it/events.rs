@@ -81,6 +81,7 @@ pub fn send(agent_id: &str, channel: &str) -> Envelope {
             target: Some(target(channel)),
             kind: proto::SendKind::Message as i32,
             draft_bytes: 5,
+            mentioned_user_ids: Vec::new(),
         }),
     )
 }
@@ -107,6 +108,28 @@ pub fn confirmed_for(agent_id: &str, channel: &str, ts: &str, send_event_id: &st
     if let Some(Payload::SendConfirmed(c)) = event.payload.as_mut() {
         c.send_event_id = send_event_id.to_owned();
     }
+    event
+}
+
+/// The do-not-contact lists: (workspace, people) pairs.
+pub fn do_not_contact(lists: &[(&str, &[&str])]) -> Envelope {
+    let lists = lists
+        .iter()
+        .map(|(workspace, users)| proto::DoNotContactList {
+            workspace_id: (*workspace).to_owned(),
+            user_ids: users.iter().map(|u| (*u).to_owned()).collect(),
+        })
+        .collect::<Vec<_>>();
+    envelope(format!("do-not-contact:{}", lists.len()), Payload::DoNotContact(proto::DoNotContactConfigured { lists }))
+}
+
+/// A send whose draft @mentions `users`.
+pub fn send_mentioning(agent_id: &str, channel: &str, users: &[&str]) -> Envelope {
+    let mut event = send(agent_id, channel);
+    if let Some(Payload::Send(s)) = event.payload.as_mut() {
+        s.mentioned_user_ids = users.iter().map(|u| (*u).to_owned()).collect();
+    }
+    event.event_id = format!("{}:mentioning:{}", event.event_id, users.join(","));
     event
 }
 

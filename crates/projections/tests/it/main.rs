@@ -9,6 +9,7 @@
 
 mod chat;
 mod determinism;
+mod do_not_contact;
 mod events;
 mod failure_notice;
 mod journal;

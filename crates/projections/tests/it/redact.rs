@@ -89,11 +89,16 @@ const REVIEWED_NON_CONTENT: &[&str] = &[
     "anima.v1.WakeRecoveryRequested.item_id",
     // Sends and subscriptions: the agent and the post's ts or message id.
     "anima.v1.SendRequested.agent_id",
+    // The user ids a draft @mentions: platform ids, not the draft's words.
+    "anima.v1.SendRequested.mentioned_user_ids",
     "anima.v1.SendConfirmed.agent_id",
     "anima.v1.SendConfirmed.ts",
     // The event id of the send a post answers: a UUID the runtime drew, never words.
     "anima.v1.SendConfirmed.send_event_id",
     "anima.v1.SubscriptionChangeRequested.agent_id",
+    // The do-not-contact lists: workspace and user ids.
+    "anima.v1.DoNotContactList.workspace_id",
+    "anima.v1.DoNotContactList.user_ids",
     // A Slack thread stop: the agent and the thread's ids.
     "anima.v1.SlackThreadStopObserved.receiving_agent_id",
     "anima.v1.SlackThreadStopObserved.team_id",
