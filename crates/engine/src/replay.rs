@@ -835,7 +835,19 @@ fn explain_verdict(envelope: &proto::Envelope, verdict: &Verdict, explanation: &
         Verdict::SubscriptionChanged { surface, muted } => {
             facts.push(format!("{surface} is now {}", if *muted { "muted" } else { "unmuted" }))
         }
-        Verdict::AgentRegistered | Verdict::Configured => {}
+        Verdict::AgentRegistered => {}
+        Verdict::Configured => {
+            let what = match envelope.payload.as_ref() {
+                Some(proto::envelope::Payload::DoNotContact(config)) => format!(
+                    "the do-not-contact lists ({} workspaces, {} people)",
+                    config.lists.len(),
+                    config.lists.iter().map(|l| l.user_ids.len()).sum::<usize>()
+                ),
+                Some(proto::envelope::Payload::MemoryConfig(_)) => "the memoryCoherence configuration".to_owned(),
+                _ => "the configuration".to_owned(),
+            };
+            facts.push(format!("{what} replaced the previous one: decisions after this event use it"));
+        }
     }
 }
 

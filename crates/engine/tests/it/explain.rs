@@ -37,6 +37,11 @@ enum Op {
         forged: bool,
     },
     Finish,
+    /// The do-not-contact list of the workspace: naming the person who writes in the DMs, or
+    /// someone else.
+    DoNotContact {
+        listed: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -47,6 +52,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..2u8).prop_map(Op::Claim),
         2 => any::<bool>().prop_map(|forged| Op::Start { forged }),
         1 => Just(Op::Finish),
+        1 => any::<bool>().prop_map(|listed| Op::DoNotContact { listed }),
     ]
 }
 
@@ -176,6 +182,13 @@ impl Generated {
                 };
                 self.append(subjects.agent("ada"), Payload::WakeStart(request)).await;
             }
+            Op::DoNotContact { listed } => {
+                let person = if *listed { "UPERSON" } else { "USOMEONE" };
+                let config = proto::DoNotContactConfigured {
+                    lists: vec![proto::DoNotContactList { workspace_id: TEAM.into(), user_ids: vec![person.into()] }],
+                };
+                self.append(subjects.config(), Payload::DoNotContact(config)).await;
+            }
             Op::Finish => {
                 let Some(active) = self.state.queue("ada").and_then(|q| q.active.clone()) else { return };
                 let request = proto::WakeFinishRequested {
@@ -216,7 +229,13 @@ async fn check_explanation(replayer: &Replayer, fold: &State, seq: u64) -> Resul
                     prop_assert!(facts.contains("allowed") && !facts.contains("held"), "seq {}: {}", seq, facts);
                 }
                 SendVerdict::NotContacted(refused) => {
-                    prop_assert!(false, "seq {}: these logs configure no do-not-contact list: {:?}", seq, refused);
+                    prop_assert_eq!(cursor.foreign_rows_after_cursor, 0, "seq {}", seq);
+                    let reason = format!("refused before the hold ({})", refused.reason.as_str());
+                    prop_assert!(facts.contains(&reason), "seq {}: {} in {}", seq, reason, facts);
+                    if let Some(user) = &refused.user_id {
+                        prop_assert!(facts.contains(user.as_str()), "seq {}: {} in {}", seq, user, facts);
+                    }
+                    prop_assert!(!facts.contains("allowed") && !facts.contains("held"), "seq {}: {}", seq, facts);
                 }
                 SendVerdict::Held(held) => {
                     prop_assert_eq!(cursor.cursor, Some(held.cursor_before), "seq {}", seq);
@@ -285,6 +304,11 @@ async fn a_scripted_log_reaches_every_verdict_the_property_checks() {
         Op::Send(0, 1),
         Op::Send(1, 0),
         Op::Finish,
+        Op::DoNotContact { listed: true },
+        Op::Send(0, 0),
+        Op::Send(1, 0),
+        Op::DoNotContact { listed: false },
+        Op::Send(0, 0),
     ];
     let mut generated = Generated::new().await;
     for op in &script {
@@ -299,11 +323,13 @@ async fn a_scripted_log_reaches_every_verdict_the_property_checks() {
             Verdict::Send(SendVerdict::Held(_)) => "held",
             Verdict::Send(SendVerdict::Allowed { cursor_before: None, .. }) => "allowed without a cursor",
             Verdict::Send(SendVerdict::Allowed { .. }) => "allowed",
+            Verdict::Send(SendVerdict::NotContacted(refused)) => refused.reason.as_str(),
             Verdict::Started { .. } => "started",
             Verdict::Refused(_) => "refused",
             _ => "other",
         });
     }
-    let expected = ["allowed", "allowed without a cursor", "held", "other", "refused", "started"];
+    let expected =
+        ["allowed", "allowed without a cursor", "could_not_verify", "held", "listed", "other", "refused", "started"];
     assert_eq!(kinds.into_iter().collect::<Vec<_>>(), expected);
 }
