@@ -194,7 +194,8 @@ impl api::ingest_server::Ingest for Services {
                 let services = services.clone();
                 let principal = principal.clone();
                 async move {
-                    let request = item?.append.unwrap_or_default();
+                    // A request that does not decode is the client's mistake, as on a unary call.
+                    let request = item.map_err(crate::transport_limit::client_facing)?.append.unwrap_or_default();
                     let correlation_id = request.correlation_id.clone();
                     let result = match services.append_one(&principal, request).await {
                         Ok(response) => api::append_stream_response::Result::Appended(response),
