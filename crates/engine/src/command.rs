@@ -550,6 +550,9 @@ impl Engine {
     pub async fn send(&self, request: proto::SendRequested, request_id: &str) -> Result<SendDecision, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         let surface = Self::target_surface(request.target.as_ref())?;
+        if matches!(surface, SurfaceId::Linear { .. }) {
+            return Err(invalid("target", "a Linear session is answered with Sends.Respond, not Send"));
+        }
         Self::send_kind(request.kind)?;
         let event_id = Self::request_event_id(request_id)?;
         let envelope = self.envelope(event_id, 0, Payload::Send(request.clone()));

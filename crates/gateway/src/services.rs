@@ -549,6 +549,7 @@ impl Services {
         mute: bool,
     ) -> Result<u64, Status> {
         principal.require_agent(&request.agent_id)?;
+        let chat = request.chat_target.is_some();
         let target = match (request.target, request.chat_target) {
             (Some(slack), None) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Slack(slack)) }),
             (None, Some(chat)) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Chat(chat)) }),
@@ -561,7 +562,24 @@ impl Services {
             .engine
             .change_subscription(&request.agent_id, target, mute, &request.request_id)
             .await
-            .map_err(status)?;
+            .map_err(|error| status(if chat { naming_chat_target(error) } else { error }))?;
         Ok(seq)
+    }
+}
+
+/// The engine names the fields of a chat target `target.*` (it takes a `ReplyTarget`); `Mute` and
+/// `Unmute` carry that target as `chat_target`, so a refusal names it so.
+fn naming_chat_target(error: CommandError) -> CommandError {
+    match error {
+        CommandError::InvalidArgument { field, reason } => {
+            let field = match field {
+                "target.tenant_id" => "chat_target.tenant_id",
+                "target.chat_id" => "chat_target.chat_id",
+                "target.thread_id" => "chat_target.thread_id",
+                other => other,
+            };
+            CommandError::InvalidArgument { field, reason }
+        }
+        other => other,
     }
 }

@@ -20,7 +20,7 @@ use crate::wake::{AgentQueue, SettledItems};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 11;
+pub const FOLD_VERSION: u32 = 12;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
