@@ -2,3 +2,4 @@
 
 mod fixture;
 mod fuzz;
+mod request_id;
