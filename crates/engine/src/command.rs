@@ -261,8 +261,33 @@ impl Engine {
         envelope: &proto::Envelope,
     ) -> Result<(AppendOutcome, Verdict), CommandError> {
         let outcome = self.log.append(Self::record(subject, envelope)).await?;
+        if outcome.is_duplicate() {
+            self.require_same_kind(outcome.seq(), envelope).await?;
+        }
         let verdict = self.verdict_at(outcome.seq()).await?;
         Ok((outcome, verdict))
+    }
+
+    /// The event at `seq` carries the same kind of request as `envelope`, whose id it has. Ids
+    /// derived from content differ by kind, so only a client's `request_id` used for one RPC and
+    /// then for another collides across kinds: that is the client's mistake, not a retry, and it
+    /// must neither get the other request's verdict nor a mismatch that reads like a server bug.
+    async fn require_same_kind(&self, seq: u64, envelope: &proto::Envelope) -> Result<(), CommandError> {
+        let Some(stored) = self.log.get(seq).await? else { return Ok(()) };
+        let stored = proto::Envelope::decode(stored.payload.as_ref()).ok().and_then(|e| e.payload);
+        match (stored, envelope.payload.as_ref()) {
+            (Some(stored), Some(ours)) if std::mem::discriminant(&stored) != std::mem::discriminant(ours) => {
+                Err(invalid(
+                    "request_id",
+                    format!(
+                        "{} was already used for another kind of request; send a new UUID",
+                        validate::echo(&envelope.event_id)
+                    ),
+                ))
+            }
+            // The same kind (a retry), or a payload this build cannot read: the verdict decides.
+            _ => Ok(()),
+        }
     }
 
     pub(crate) fn require_agent(&self, field: &'static str, agent: &str) -> Result<(), CommandError> {
@@ -593,6 +618,9 @@ impl Engine {
     pub async fn send(&self, request: proto::SendRequested, request_id: &str) -> Result<SendDecision, CommandError> {
         self.require_agent("agent_id", &request.agent_id)?;
         let surface = Self::target_surface(request.target.as_ref())?;
+        if matches!(surface, SurfaceId::Linear { .. }) {
+            return Err(invalid("target", "a Linear session is answered with Sends.Respond, not Send"));
+        }
         Self::send_kind(request.kind)?;
         if request.mentioned_user_ids.len() > anima_projections::do_not_contact::MENTIONS_MAX {
             return Err(CommandError::TooLarge {

@@ -468,7 +468,7 @@ impl Replayer {
             .log
             .get(seq)
             .await?
-            .ok_or_else(|| ReplayError::NotFound(format!("no event is stored at seq {seq}")))?;
+            .ok_or_else(|| ReplayError::NotFound(format!("seq: no event is stored at seq {seq}")))?;
         let mut before = self.rebuild_owned(seq - 1).await?;
         let event_type = Redactor::schema().event_type(&record.payload);
         let mut explanation = Explanation {

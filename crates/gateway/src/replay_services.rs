@@ -57,7 +57,7 @@ fn point(point: Option<api::ReplayPoint>, field: &'static str) -> Result<Option<
         None => Ok(None),
         Some(api::replay_point::Point::Seq(seq)) => Ok(Some(LogPoint::Seq(seq))),
         Some(api::replay_point::Point::LogTimeNs(t)) if t < 0 => {
-            Err(Status::invalid_argument(format!("{field}.log_time_ns must not be negative")))
+            Err(Status::invalid_argument(format!("{field}.log_time_ns: must not be negative")))
         }
         Some(api::replay_point::Point::LogTimeNs(t)) => Ok(Some(LogPoint::TimeNs(t))),
     }

@@ -211,7 +211,8 @@ impl api::ingest_server::Ingest for Services {
                 let services = services.clone();
                 let principal = principal.clone();
                 async move {
-                    let request = item?.append.unwrap_or_default();
+                    // A request that does not decode is the client's mistake, as on a unary call.
+                    let request = item.map_err(crate::transport_limit::client_facing)?.append.unwrap_or_default();
                     let correlation_id = request.correlation_id.clone();
                     let result = match services.append_one(&principal, request).await {
                         Ok(response) => api::append_stream_response::Result::Appended(response),
@@ -595,6 +596,7 @@ impl Services {
         mute: bool,
     ) -> Result<u64, Status> {
         principal.require_agent(&request.agent_id)?;
+        let chat = request.chat_target.is_some();
         let target = match (request.target, request.chat_target) {
             (Some(slack), None) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Slack(slack)) }),
             (None, Some(chat)) => Some(api::ReplyTarget { target: Some(api::reply_target::Target::Chat(chat)) }),
@@ -607,7 +609,24 @@ impl Services {
             .engine
             .change_subscription(&request.agent_id, target, mute, &request.request_id)
             .await
-            .map_err(status)?;
+            .map_err(|error| status(if chat { naming_chat_target(error) } else { error }))?;
         Ok(seq)
+    }
+}
+
+/// The engine names the fields of a chat target `target.*` (it takes a `ReplyTarget`); `Mute` and
+/// `Unmute` carry that target as `chat_target`, so a refusal names it so.
+fn naming_chat_target(error: CommandError) -> CommandError {
+    match error {
+        CommandError::InvalidArgument { field, reason } => {
+            let field = match field {
+                "target.tenant_id" => "chat_target.tenant_id",
+                "target.chat_id" => "chat_target.chat_id",
+                "target.thread_id" => "chat_target.thread_id",
+                other => other,
+            };
+            CommandError::InvalidArgument { field, reason }
+        }
+        other => other,
     }
 }

@@ -8,9 +8,11 @@
 //! L bytes per message". Likewise a request body that does not decode as the RPC's message,
 //! which tonic-prost answers `INTERNAL` (the gRPC convention for parse errors, but to a client
 //! it reads as a server bug): it becomes `INVALID_ARGUMENT` "request: not a valid <message> ...",
-//! with prost's description clipped. Every other response passes untouched. A message over the limit in the
-//! middle of a client stream (`AppendStream`) ends that stream with tonic's status in its
-//! trailers, which this layer does not see.
+//! with prost's description clipped; and a unary call that sent no request message at all, which
+//! tonic answers `INTERNAL` "Missing request message.", becomes `INVALID_ARGUMENT` too. Every
+//! other response passes untouched. A bad message in the middle of a client stream
+//! (`AppendStream`) reaches the handler as an item error, after the headers this layer sees: the
+//! handler rewrites it the same way ([`client_facing`]).
 
 use std::task::{Context, Poll};
 
@@ -21,6 +23,8 @@ use tonic::{Code, Status};
 const TONIC_TOO_LARGE: &str = "Error, decoded message length too large: found ";
 /// Start of prost's message (through tonic-prost) for bytes that do not decode.
 const PROST_UNDECODABLE: &str = "failed to decode Protobuf message: ";
+/// tonic's message for a unary call that ended its request stream without a message.
+const TONIC_MISSING: &str = "Missing request message.";
 
 #[derive(Clone, Copy)]
 pub struct TransportLimitLayer;
@@ -71,12 +75,30 @@ where
 
 /// The answer the API promises for tonic's refusal in `headers`, if they carry one to rewrite.
 fn rewritten(headers: &http::HeaderMap) -> Option<Status> {
-    let status = Status::from_header_map(headers)?;
+    promised(&Status::from_header_map(headers)?)
+}
+
+/// The answer the API promises for a refusal tonic made while reading a request; `None` for any
+/// other status.
+fn promised(status: &Status) -> Option<Status> {
     match status.code() {
-        Code::OutOfRange => over_the_limit(&status),
-        Code::Internal => undecodable(&status),
+        Code::OutOfRange => over_the_limit(status),
+        Code::Internal => undecodable(status).or_else(|| missing(status)),
         _ => None,
     }
+}
+
+/// `status` as the API promises it, for a handler reading the items of a client stream itself
+/// (tonic hands it a decoding failure as `INTERNAL`, and this layer only sees the headers).
+pub fn client_facing(status: Status) -> Status {
+    promised(&status).unwrap_or(status)
+}
+
+/// `INVALID_ARGUMENT` for a unary call whose client sent no request message at all (tonic:
+/// `INTERNAL` "Missing request message.").
+fn missing(status: &Status) -> Option<Status> {
+    (status.message() == TONIC_MISSING)
+        .then(|| Status::invalid_argument("request: missing; this RPC takes exactly one request message"))
 }
 
 /// `INVALID_ARGUMENT` for a body that is not the RPC's message.
@@ -125,6 +147,22 @@ mod tests {
         let status = rewritten(&headers_of(tonic)).expect("rewritten");
         assert_eq!(status.code(), Code::InvalidArgument);
         assert!(status.message().starts_with("request: not a valid message of this RPC"), "{}", status.message());
+    }
+
+    #[test]
+    fn a_unary_call_without_a_request_message_becomes_invalid_argument() {
+        let status = rewritten(&headers_of(Status::internal("Missing request message."))).expect("rewritten");
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().starts_with("request: missing"), "{}", status.message());
+    }
+
+    #[test]
+    fn a_stream_item_that_does_not_decode_becomes_invalid_argument() {
+        let item = Status::internal("failed to decode Protobuf message: buffer underflow");
+        let status = client_facing(item);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().starts_with("request: not a valid message of this RPC"), "{}", status.message());
+        assert_eq!(client_facing(Status::unavailable("log down")).code(), Code::Unavailable);
     }
 
     #[test]

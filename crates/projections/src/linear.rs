@@ -322,10 +322,10 @@ impl State {
             }
         };
         let Some(key) = self.linear_activities.get(&request.activity_id).cloned() else {
-            return refused(RefusalKind::InvalidArgument, "no response with that activity id is known");
+            return refused(RefusalKind::InvalidArgument, "activity_id: no response with that activity id is known");
         };
         if key.0 != request.agent_id {
-            return refused(RefusalKind::InvalidArgument, "that activity belongs to another agent");
+            return refused(RefusalKind::InvalidArgument, "activity_id: that activity belongs to another agent");
         }
         let Some(response) = self.linear_responses.get_mut(&key) else {
             return refused(RefusalKind::FailedPrecondition, "the response of that activity is gone");

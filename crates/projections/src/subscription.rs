@@ -347,12 +347,12 @@ impl State {
             }
         };
         if surface.is_slack_dm() {
-            return refused(RefusalKind::InvalidArgument, format!("{surface} is a DM; DMs cannot be muted"));
+            return refused(RefusalKind::InvalidArgument, format!("target: {surface} is a DM; DMs cannot be muted"));
         }
         if self.is_direct(&surface) {
             return refused(
                 RefusalKind::InvalidArgument,
-                format!("{surface} is a p2p chat; p2p chats cannot be muted"),
+                format!("chat_target: {surface} is a p2p chat; p2p chats cannot be muted"),
             );
         }
         let current = self.subscription(&request.agent_id, &surface).is_some_and(|s| s.muted);

@@ -701,7 +701,7 @@ impl State {
         if plan != active.plan {
             return refused(
                 RefusalKind::InvalidArgument,
-                "plan differs from the one the claim prepared; hand it back unchanged",
+                "plan: differs from the one the claim prepared; hand it back unchanged",
             );
         }
         if let Some(moved) = plan.iter().find(|p| self.cursor(&agent, &p.surface) != p.expected) {
@@ -869,7 +869,7 @@ impl State {
                     return refused(
                         RefusalKind::InvalidArgument,
                         format!(
-                            "a completed memory pass carries {field}, a SHA-256 digest of {} bytes (got {})",
+                            "{field}: a completed memory pass carries a SHA-256 digest of {} bytes (got {})",
                             crate::memory::DIGEST_BYTES,
                             digest.len()
                         ),

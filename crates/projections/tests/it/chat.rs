@@ -585,7 +585,7 @@ fn a_p2p_chat_cannot_be_muted() {
         &[ada(), p2p("om_1", "hi")],
         mute_chat("p1", "", true),
         expect![[r#"
-        refused InvalidArgument: chat:t1:p1 is a p2p chat; p2p chats cannot be muted
+        refused InvalidArgument: chat_target: chat:t1:p1 is a p2p chat; p2p chats cannot be muted
         --- after ---
         newest queued: chat:t1:p1:om_1 dm reply_to chat:t1:p1
         cursors: none

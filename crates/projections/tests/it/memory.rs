@@ -830,7 +830,7 @@ fn a_completed_pass_without_digests_is_refused_and_keeps_running() {
     check_finish(
         finish_pass("zed", "w1", WakeOutcome::Completed, &[], &[], ""),
         expect![[r#"
-            refused InvalidArgument: a completed memory pass carries memory_digest_before, a SHA-256 digest of 32 bytes (got 0)
+            refused InvalidArgument: memory_digest_before: a completed memory pass carries a SHA-256 digest of 32 bytes (got 0)
             outcome: none
             queued: -
             active: memory-pass:zed:2026-06-01 running
@@ -840,7 +840,7 @@ fn a_completed_pass_without_digests_is_refused_and_keeps_running() {
     check_finish(
         finish_pass("zed", "w1", WakeOutcome::Completed, &digest(1), &[2; 31], ""),
         expect![[r#"
-            refused InvalidArgument: a completed memory pass carries memory_digest_after, a SHA-256 digest of 32 bytes (got 31)
+            refused InvalidArgument: memory_digest_after: a completed memory pass carries a SHA-256 digest of 32 bytes (got 31)
             outcome: none
             queued: -
             active: memory-pass:zed:2026-06-01 running

@@ -642,7 +642,7 @@ fn a_forged_plan_cannot_push_a_cursor_beyond_the_tail() {
     let Verdict::Refused(refusal) = log.verdict(forged) else { panic!("a forged plan started") };
     assert_eq!(
         describe_refusal(refusal),
-        "refused InvalidArgument: plan differs from the one the claim prepared; hand it back unchanged"
+        "refused InvalidArgument: plan: differs from the one the claim prepared; hand it back unchanged"
     );
     assert_eq!(log.cursors("anna"), "slack:T1:D1@1");
     let seq = log.fold(send("anna", "D1"));

@@ -567,7 +567,7 @@ fn a_forged_plan_is_refused() {
         &given,
         start_with_plan("anna", "w1", &item, vec![plan_surface("slack:T1:D1", None, 7)]),
         expect![[r#"
-            refused InvalidArgument: plan differs from the one the claim prepared; hand it back unchanged
+            refused InvalidArgument: plan: differs from the one the claim prepared; hand it back unchanged
             --- after ---
             queued: -
             active: slack:T1:D1:1700000060.000100 claimed by w1
