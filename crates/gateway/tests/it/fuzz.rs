@@ -442,6 +442,12 @@ impl Generator {
                 }
                 string(&id)
             }
+            // The send a confirmation answers: none, or one of the request ids sent so far.
+            "send_request_id" => string(&if self.rng.percent(60) || self.known.request_ids.is_empty() {
+                String::new()
+            } else {
+                self.rng.pick(&self.known.request_ids).clone()
+            }),
             "correlation_id" => string(&format!("c-{}", self.fresh())),
             "team_id" => string("T1"),
             "channel_id" => string(self.rng.pick::<&str>(&["C1", "C2", "D1"])),
