@@ -13,11 +13,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fold::refused;
 use crate::intern::SurfaceKey;
 use crate::proto;
 use crate::state::State;
 use crate::surface::SurfaceId;
+use crate::verdict::refused;
 use crate::verdict::{RefusalKind, Verdict};
 
 /// Workspaces a configuration may list.

@@ -8,15 +8,16 @@
 use prost::Message;
 
 use crate::intern::SurfaceKey;
+use crate::journal::row_meta;
 use crate::journal::{RowBody, RowMeta};
 use crate::proto::{self, envelope::Payload};
-use crate::render;
 use crate::state::{
     AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION, VERDICTS_KEPT_MAX,
 };
 use crate::subscription::{mentions, Observed, Route};
 use crate::surface::{chat_message_identity, slack_message_identity, ChatKind, SurfaceId};
-use crate::verdict::{JournalVerdict, Refusal, RefusalKind, Verdict};
+use crate::time::log_seconds;
+use crate::verdict::{refused, JournalVerdict, RefusalKind, Verdict};
 use crate::wake::{NotQueued, WakeItem};
 
 /// Slack subtypes that are journal rows; edits, deletes and joins are recorded but not rows.
@@ -459,48 +460,4 @@ fn identity_keys(bot_user_id: &str, bot_id: &str) -> Vec<String> {
         keys.push(format!("b:{bot_id}"));
     }
     keys
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn row_meta(
-    at: LogPosition,
-    ordinal: u64,
-    ts: &str,
-    ts_seconds: i64,
-    user_id: &str,
-    bot_id: &str,
-    owner: Option<String>,
-    body: &RowBody,
-) -> RowMeta {
-    let mut meta = RowMeta {
-        ordinal,
-        seq: at.seq,
-        at_ns: at.at_ns,
-        ts: ts.to_owned(),
-        ts_seconds,
-        user_id: user_id.to_owned(),
-        bot_id: bot_id.to_owned(),
-        owner,
-        row_bytes: 0,
-        sender_bytes: 0,
-        body_bytes: 0,
-    };
-    let sizes = render::row_sizes(&meta, body);
-    meta.row_bytes = saturating_u32(sizes.row_bytes);
-    meta.sender_bytes = saturating_u32(sizes.sender_bytes);
-    meta.body_bytes = saturating_u32(sizes.body_bytes);
-    meta
-}
-
-/// Whole seconds of a log position's time: the time shown for chat rows, which carry none.
-pub(crate) fn log_seconds(at: LogPosition) -> i64 {
-    at.at_ns.div_euclid(1_000_000_000)
-}
-
-fn saturating_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-pub(crate) fn refused(kind: RefusalKind, message: impl Into<String>) -> Verdict {
-    Verdict::Refused(Refusal::new(kind, message))
 }

@@ -209,6 +209,42 @@ impl crate::State {
     }
 }
 
+/// A row's metadata with the byte sizes rendering will give it (measured once, at ingest).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn row_meta(
+    at: crate::state::LogPosition,
+    ordinal: u64,
+    ts: &str,
+    ts_seconds: i64,
+    user_id: &str,
+    bot_id: &str,
+    owner: Option<String>,
+    body: &RowBody,
+) -> RowMeta {
+    let mut meta = RowMeta {
+        ordinal,
+        seq: at.seq,
+        at_ns: at.at_ns,
+        ts: ts.to_owned(),
+        ts_seconds,
+        user_id: user_id.to_owned(),
+        bot_id: bot_id.to_owned(),
+        owner,
+        row_bytes: 0,
+        sender_bytes: 0,
+        body_bytes: 0,
+    };
+    let sizes = crate::render::row_sizes(&meta, body);
+    meta.row_bytes = u32_saturating(sizes.row_bytes);
+    meta.sender_bytes = u32_saturating(sizes.sender_bytes);
+    meta.body_bytes = u32_saturating(sizes.body_bytes);
+    meta
+}
+
+fn u32_saturating(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -14,11 +14,13 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::fold::{log_seconds, refused, row_meta};
+use crate::journal::row_meta;
 use crate::journal::RowBody;
 use crate::proto;
 use crate::state::{LogPosition, State};
 use crate::surface::{linear_receipt_identity, LinearReceiptKind, SurfaceId};
+use crate::time::log_seconds;
+use crate::verdict::refused;
 use crate::verdict::{LinearResponseVerdict, LinearSessionVerdict, RefusalKind, Verdict};
 use crate::wake::{LinearWake, WakeItem, WakeReason};
 

@@ -16,11 +16,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::fold::refused;
 use crate::memory_slot::{MemoryPassCalendar, MemoryPassSettings, MemoryPassSettingsError, MemoryPassSlot};
 use crate::proto;
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
+use crate::verdict::refused;
 use crate::verdict::{RefusalKind, Verdict};
 use crate::wake::{WakeItem, WakeReason, QUEUED_ITEMS_MAX};
 
@@ -381,11 +381,11 @@ impl State {
             id: due.pass_id.clone(),
             reason: WakeReason::Memory,
             trigger_surface: SurfaceId::Memory { agent: agent.to_owned() },
-            trigger: crate::fold::row_meta(
+            trigger: crate::journal::row_meta(
                 at,
                 0,
                 &due.pass_id,
-                crate::fold::log_seconds(at),
+                crate::time::log_seconds(at),
                 "",
                 "",
                 None,

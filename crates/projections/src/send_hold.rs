@@ -11,11 +11,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
+use crate::verdict::refused;
 use crate::verdict::{HeldSend, PostKind, RefusalKind, SendVerdict, Verdict};
 
 /// Confirmed posts remembered by the send that allowed them: a runtime's retry after a lost

@@ -6,12 +6,12 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::fold::refused;
 use crate::intern::{AgentKey, SurfaceKey};
 use crate::journal::RowMeta;
 use crate::proto;
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
+use crate::verdict::refused;
 use crate::verdict::{RefusalKind, Verdict};
 use crate::wake::WakeReason;
 

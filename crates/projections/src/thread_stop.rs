@@ -5,10 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::fold::refused;
 use crate::proto;
 use crate::state::State;
 use crate::surface::SurfaceId;
+use crate::verdict::refused;
 use crate::verdict::{RefusalKind, Verdict};
 use crate::wake::WakeItem;
 

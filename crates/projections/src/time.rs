@@ -41,6 +41,11 @@ pub fn slack_ts_seconds(ts: &str) -> Option<i64> {
     secs.parse().ok()
 }
 
+/// Whole seconds of a log position's time: the time shown for chat rows, which carry none.
+pub(crate) fn log_seconds(at: crate::state::LogPosition) -> i64 {
+    at.at_ns.div_euclid(1_000_000_000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -197,3 +197,8 @@ impl Refusal {
         Refusal { kind, message: message.into() }
     }
 }
+
+/// A refusal verdict.
+pub(crate) fn refused(kind: RefusalKind, message: impl Into<String>) -> Verdict {
+    Verdict::Refused(Refusal::new(kind, message))
+}

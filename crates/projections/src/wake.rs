@@ -457,10 +457,10 @@ impl SettledItems {
     }
 }
 
-use crate::fold::refused;
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
+use crate::verdict::refused;
 use crate::verdict::{ClaimVerdict, ClaimedWake, MovedCursor, RefusalKind, Verdict};
 
 impl State {
