@@ -231,3 +231,30 @@ fn the_wording_of_a_channel_wake_with_an_update_and_a_note() {
         reply_to: slack team=T1 channel=C1 thread_ts=1700000360.000100
     "#]].assert_eq(&text);
 }
+
+/// Words the engine's own lines of a wake text never use: nothing the person asked for was
+/// refused, and the engine never speaks of a draft (it never sees one).
+const WORDS_NEVER_IN_A_WAKE: [&str; 4] = ["blocked", "rejected", "failed", "draft"];
+
+/// The engine-written lines (everything but fenced content) of every common wake form — a DM, a
+/// mention, a channel follow, a wake resumed after a restart — use none of the words above.
+#[test]
+fn the_engine_lines_of_every_wake_form_never_say_blocked_rejected_failed_or_draft() {
+    let mention = message("ada", "C1", &ts(1)).by_user("U1", "Uma").text("<@U0ADA> can you look? it failed");
+    let follow = message("ada", "C2", &ts(1)).by_user("U1", "Uma").text("the deploy was rejected, blocked");
+    let forms: [(&str, Vec<Envelope>); 4] = [
+        ("dm", vec![ada(), dm(1, "my draft failed")]),
+        ("mention", vec![ada(), mention]),
+        ("channel_follow", vec![ada(), follow]),
+        ("resumed", vec![ada(), dm(1, "hello"), claim("ada", "w0"), start("ada", "w0"), restart_drain("ada", "w0")]),
+    ];
+    for (form, given) in forms {
+        let (_, text) = claimed_text(&given);
+        for line in text.lines().filter(|line| !line.starts_with("> ")) {
+            let lower = line.to_lowercase();
+            for word in WORDS_NEVER_IN_A_WAKE {
+                assert!(!lower.contains(word), "{form}: the engine line {line:?} says {word:?}");
+            }
+        }
+    }
+}
