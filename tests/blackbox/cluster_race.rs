@@ -167,9 +167,21 @@ async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() 
         .await
         .expect("admin connection");
     let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
-    // JetStream elects its meta leader a few seconds after the nodes start; until then an engine
-    // cannot create its stream and refuses to start.
-    poll_until("the cluster's JetStream answers", || async { admin.query_account().await.ok() }).await;
+    // JetStream elects its meta leader a few seconds after the nodes start, and places
+    // replicated streams only once it knows every peer; until then an engine cannot create its
+    // stream and refuses to start. A throwaway R3 stream shows when placement works.
+    poll_until("the cluster places an R3 stream", || async {
+        let probe = async_nats::jetstream::stream::Config {
+            name: "PLACEMENT_PROBE".into(),
+            subjects: vec!["placement-probe".into()],
+            num_replicas: 3,
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        };
+        admin.create_stream(probe).await.ok()?;
+        admin.delete_stream("PLACEMENT_PROBE").await.ok()
+    })
+    .await;
 
     // Both engines get the whole server list; the first creates the stream with 3 replicas.
     let options = ServerOptions { args: vec!["--replicas".into(), "3".into()], ..ServerOptions::default() };
