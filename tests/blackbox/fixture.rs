@@ -129,6 +129,12 @@ impl Server {
         Server::spawn_new(Some(nats_url.to_owned()), None)
     }
 
+    /// Another engine instance on the JetStream stream at `nats_url` (one URL, or a cluster's
+    /// comma-separated list, as `--nats` takes it), started with `options`.
+    pub fn start_on_nats_with(nats_url: &str, options: ServerOptions) -> Server {
+        Server::spawn_with(Some(nats_url.to_owned()), None, options)
+    }
+
     /// A server on its own embedded log, started with `options`.
     pub fn start_with(options: ServerOptions) -> Server {
         Server::spawn_with(None, None, options)

@@ -4,6 +4,7 @@
 mod access;
 mod bad_input;
 mod chat;
+mod cluster_race;
 mod fixture;
 mod limits;
 mod linear;

@@ -1,9 +1,10 @@
 //! Two engine instances (two `anima-wake` processes) on one JetStream stream: foreign messages are
 //! appended into a DM while the agent sends into it through both instances. Afterwards an
-//! independent checker reads the raw log — not the engine's fold — and confirms that no allowed
-//! send had a foreign message between the cursor it was decided at and its position in the log.
+//! independent checker ([`audit_send_hold`]) reads the raw log — not the engine's fold — and
+//! confirms that no allowed send had a foreign message between the cursor it was decided at and
+//! its position in the log. The cluster failover test (`cluster_race`) runs the same checker.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::EventLog;
@@ -15,6 +16,107 @@ use prost::Message;
 
 use crate::fixture::*;
 
+/// The DM the race tests write into and send into, as ada.
+pub const RACE_DM: &str = "D9";
+/// Ada's Slack user: her own messages are not foreign to her.
+const ADA_SLACK_USER: &str = "U0ADA";
+
+/// Establishes ada's cursor in [`RACE_DM`] the way the product does: a DM wake, claimed and
+/// started through `server`. Returns the seq of the start, where her cursor begins.
+pub async fn start_ada_dm_wake(server: &Server) -> u64 {
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    ingest.append(slack_message(&["ada"], RACE_DM, "1700000000.000001", "", "U1", "hi")).await.expect("append");
+    let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+    let wake = wakes
+        .claim(api::ClaimRequest { agent_id: "ada".into(), worker_id: "w".into(), ..Default::default() })
+        .await
+        .expect("claim")
+        .into_inner()
+        .wake
+        .expect("a wake");
+    wakes
+        .start(api::StartRequest {
+            agent_id: "ada".into(),
+            worker_id: "w".into(),
+            item_id: wake.item_id,
+            plan: wake.plan,
+            request_id: String::new(),
+        })
+        .await
+        .expect("start")
+        .into_inner()
+        .started_at_seq
+}
+
+/// What the independent checker found in the raw log.
+#[derive(Debug, Default)]
+pub struct SendHoldAudit {
+    /// Sends after the cursor's start, each compared with its own model of the DM journal.
+    pub checked: usize,
+    /// Seqs of sends that were allowed although a foreign row lay between their cursor and them.
+    pub unsafe_sends: Vec<u64>,
+    /// Seqs of sends held although no foreign row lay there (the fold and the model disagree).
+    pub needlessly_held: Vec<u64>,
+    /// Seqs of sends in the log that no client got an answer for.
+    pub unanswered: Vec<u64>,
+    /// Seqs of every message stored in the DM, by its Slack ts.
+    pub message_seqs: BTreeMap<String, Vec<u64>>,
+    /// Seqs of every send stored, by its event id (the request id a client retries with).
+    pub send_seqs: BTreeMap<String, Vec<u64>>,
+}
+
+/// Reads the whole log at `nats_url` and replays the send-hold rule on its own model of ada's
+/// [`RACE_DM`] journal: her cursor starts at the wake start at `started_at_seq`, and every send
+/// (allowed or held: a held send shows the rows) moves it to the journal's end. A send is unsafe
+/// when it was allowed (`verdicts`: seq → allowed, as clients were answered) with a foreign row
+/// after its cursor.
+pub async fn audit_send_hold(nats_url: &str, started_at_seq: u64, verdicts: &BTreeMap<u64, bool>) -> SendHoldAudit {
+    let log = JetStreamLog::connect(JetStreamConfig { url: nats_url.to_owned(), ..JetStreamConfig::default() })
+        .await
+        .expect("connect");
+    let last = log.last_seq().await.expect("last seq");
+    let records: Vec<_> = log.read(1, last, None).await.expect("read").collect().await;
+    assert_eq!(records.len() as u64, last, "the read ends at the last seq");
+    let mut audit = SendHoldAudit::default();
+    let mut rows: Vec<bool> = Vec::new(); // row ordinal - 1 → is foreign to ada
+    let mut seen_ts = BTreeSet::new();
+    let mut cursor: Option<usize> = None;
+    for record in records {
+        let record = record.expect("record");
+        let envelope = events::Envelope::decode(record.payload.as_ref()).expect("decode");
+        match envelope.payload {
+            Some(Payload::SlackMessage(m)) if m.channel_id == RACE_DM => {
+                audit.message_seqs.entry(m.ts.clone()).or_default().push(record.seq);
+                // The journal has one row per message identity, however often it was delivered.
+                if seen_ts.insert(m.ts.clone()) {
+                    rows.push(m.user_id != ADA_SLACK_USER);
+                }
+            }
+            Some(Payload::WakeStart(_)) if record.seq == started_at_seq => cursor = Some(rows.len()),
+            Some(Payload::Send(_)) => {
+                audit.send_seqs.entry(envelope.event_id.clone()).or_default().push(record.seq);
+                let Some(&allowed) = verdicts.get(&record.seq) else {
+                    audit.unanswered.push(record.seq);
+                    continue;
+                };
+                if let Some(at) = cursor {
+                    let foreign_between = rows[at..].iter().any(|foreign| *foreign);
+                    if allowed && foreign_between {
+                        audit.unsafe_sends.push(record.seq);
+                    }
+                    if !allowed && !foreign_between {
+                        audit.needlessly_held.push(record.seq);
+                    }
+                    audit.checked += 1;
+                }
+                cursor = cursor.map(|_| rows.len());
+            }
+            _ => {}
+        }
+    }
+    audit
+}
+
 const WRITERS: usize = 3;
 const MESSAGES_PER_WRITER: usize = 40;
 const SENDERS: usize = 4;
@@ -25,30 +127,8 @@ async fn no_send_is_allowed_over_a_foreign_message_with_two_instances() {
     let nats = NatsServer::start();
     let first = Server::start_on_nats(&nats.url());
     let second = Server::start_on_nats(&nats.url());
-    let dm = slack_target("D9", "");
-
-    // Establish ada's cursor the way the product does: a DM wake, claimed and started.
-    let mut ingest = first.ingest(CONNECTOR_TOKEN).await;
-    ingest.append(slack_message(&["ada"], "D9", "1700000000.000001", "", "U1", "hi")).await.expect("append");
-    let mut wakes = first.wakes(ADA_RUNTIME_TOKEN).await;
-    let wake = wakes
-        .claim(api::ClaimRequest { agent_id: "ada".into(), worker_id: "w".into(), ..Default::default() })
-        .await
-        .expect("claim")
-        .into_inner()
-        .wake
-        .expect("a wake");
-    let started = wakes
-        .start(api::StartRequest {
-            agent_id: "ada".into(),
-            worker_id: "w".into(),
-            item_id: wake.item_id,
-            plan: wake.plan,
-            request_id: String::new(),
-        })
-        .await
-        .expect("start")
-        .into_inner();
+    let dm = slack_target(RACE_DM, "");
+    let started_at_seq = start_ada_dm_wake(&first).await;
 
     let servers = [&first, &second];
     let mut tasks = Vec::new();
@@ -57,7 +137,7 @@ async fn no_send_is_allowed_over_a_foreign_message_with_two_instances() {
         tasks.push(tokio::spawn(async move {
             for n in 0..MESSAGES_PER_WRITER {
                 let ts = format!("17000{writer:02}{n:03}.000100");
-                ingest.append(slack_message(&["ada"], "D9", &ts, "", "U7", "news")).await.expect("append");
+                ingest.append(slack_message(&["ada"], RACE_DM, &ts, "", "U7", "news")).await.expect("append");
             }
             Vec::new()
         }));
@@ -86,38 +166,11 @@ async fn no_send_is_allowed_over_a_foreign_message_with_two_instances() {
     let allowed = verdicts.values().filter(|a| **a).count();
     assert!(allowed > 0 && allowed < verdicts.len(), "both verdicts occur ({allowed} of {} allowed)", verdicts.len());
 
-    // The independent checker: the raw log, decoded here, with its own model of the DM journal.
-    let log = JetStreamLog::connect(JetStreamConfig { url: nats.url(), ..JetStreamConfig::default() })
-        .await
-        .expect("connect");
-    let last = log.last_seq().await.expect("last seq");
-    let records: Vec<_> = log.read(1, last, None).await.expect("read").collect().await;
-    let mut rows: Vec<bool> = Vec::new(); // row ordinal - 1 → is foreign to ada
-    let mut seen_ts = std::collections::BTreeSet::new();
-    let mut cursor: Option<usize> = None;
-    let mut checked = 0;
-    for record in records {
-        let record = record.expect("record");
-        let envelope = events::Envelope::decode(record.payload.as_ref()).expect("decode");
-        match envelope.payload {
-            Some(Payload::SlackMessage(m)) if m.channel_id == "D9" && seen_ts.insert(m.ts.clone()) => {
-                rows.push(m.user_id != "U0ADA");
-            }
-            Some(Payload::WakeStart(_)) if record.seq == started.started_at_seq => cursor = Some(rows.len()),
-            Some(Payload::Send(_)) => {
-                let allowed = *verdicts.get(&record.seq).expect("every send in the log was answered");
-                if let Some(at) = cursor {
-                    let foreign_between = rows[at..].iter().any(|foreign| *foreign);
-                    assert!(!(allowed && foreign_between), "send at seq {} was allowed over a foreign row", record.seq);
-                    assert_eq!(allowed, !foreign_between, "send at seq {}: verdict differs from the log", record.seq);
-                    checked += 1;
-                }
-                cursor = cursor.map(|_| rows.len());
-            }
-            _ => {}
-        }
-    }
-    assert_eq!(checked, SENDERS * SENDS_PER_SENDER);
+    let audit = audit_send_hold(&nats.url(), started_at_seq, &verdicts).await;
+    assert_eq!(audit.unsafe_sends, Vec::<u64>::new(), "sends allowed over a foreign row");
+    assert_eq!(audit.needlessly_held, Vec::<u64>::new(), "sends held although the log shows no foreign row");
+    assert_eq!(audit.unanswered, Vec::<u64>::new(), "every send in the log was answered");
+    assert_eq!(audit.checked, SENDERS * SENDS_PER_SENDER);
 }
 
 const DMS: usize = 24;

@@ -24,8 +24,20 @@
 //!   again on this machine under load, same run: raw ordered push ~187k/s, raw pull fetch 10,000
 //!   ~169k/s, this `read` ~208-283k/s (within noise of the raw ordered push).
 //! * A follower that is being polled sees a disconnect and resumes within milliseconds of the
-//!   server's return; one that was not polled during the outage resumes when the consumer's missed
-//!   heartbeat check fires (two 5 s heartbeats). Consumers are ephemeral: the server removes a
+//!   server's return. A consumer can also die while the connection lives: an ordered consumer is
+//!   one replica, placed on any node of the stream, and it dies with that node. The library
+//!   notices only after two missed 5 s heartbeats (a fold stalled ~15 s by a leader kill), so a
+//!   follower replaces its consumer itself, from the next seq it owes, as soon as either signal
+//!   comes: the stream elected a leader (the server's `LEADER_ELECTED` advisory, which follows
+//!   the death of the leader's node), or an append of this log was acknowledged at a seq the
+//!   follower has not delivered for [`FOLLOW_STALL_AFTER`] (any other death, noticed when a
+//!   request of this instance waits for it). A new consumer needs the cluster's meta leader,
+//!   which may be in an election of its own when its node died too; until a consumer delivers,
+//!   a stalled follower reads the owed events one by one by direct get, which any replica
+//!   answers (streams that allow direct gets, as this log creates them). Measured by the
+//!   cluster tests: a fold applies the first event stored after a stream-leader kill within
+//!   0.0-1.0 s of its append instead of up to 15 s later; a follow whose consumer died on a
+//!   follower node delivers 1.0 s after the append instead of 20 s. Consumers are ephemeral: the server removes a
 //!   dropped reader's consumer after 30 s without interest.
 //! * Timestamps are the stream's stored message times, in unix nanoseconds.
 
@@ -94,6 +106,38 @@ const IN_PROCESS_TRACKED_MAX: usize = 4_096;
 /// `Unavailable` instead of waiting for a server that is gone: the ordered consumer would retry
 /// forever.
 const READ_STALL_MIN: Duration = Duration::from_secs(15);
+
+/// A follower that has delivered nothing for this long while an append of its log was
+/// acknowledged at a seq it has not delivered replaces its consumer. A live consumer delivers an
+/// acknowledged event within milliseconds (replicated, then pushed); 1 s leaves room for a loaded
+/// machine and still resumes a fold well within 2 s of the first append after a failover.
+pub const FOLLOW_STALL_AFTER: Duration = Duration::from_secs(1);
+
+/// Attempts at creating one replacement consumer. A create needs the cluster's meta leader,
+/// which may itself be in an election for several seconds (4-9 s measured) when its node died
+/// with the stream leader: 40 attempts cover ~24 s. Past the last one the follower keeps its old
+/// consumer (the library recreates it on missed heartbeats) and the next stall or election tries
+/// again.
+const CONSUMER_REPLACEMENT_ATTEMPTS_MAX: u32 = 40;
+
+/// Bound on one attempt at creating a replacement consumer. A create answers in milliseconds
+/// (2-5 ms measured under the failover test's load); one sent while there is no meta leader is
+/// never answered, and waiting the whole request timeout for it would hold the fold back that
+/// long after the meta leader is back (2 s cost the fold 1.6 s after an election in the
+/// failover test).
+const CONSUMER_REPLACEMENT_ATTEMPT_TIMEOUT_MAX: Duration = Duration::from_millis(500);
+
+/// Pause between two attempts at creating a replacement consumer: with the attempt bound, at
+/// most ~2 creates a second per follower while the cluster cannot place one.
+const CONSUMER_REPLACEMENT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Pause before reading an owed event directly again after no replica had it (one that lags
+/// behind the leader) or none answered.
+const DIRECT_READ_PAUSE: Duration = Duration::from_millis(100);
+
+/// The advisory subject prefix a JetStream cluster announces a stream's new leader on (followed
+/// by the stream name).
+const LEADER_ELECTED_ADVISORY_PREFIX: &str = "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED";
 
 /// Most servers one server list may name. A cluster has 3 or 5; the bound keeps a mistaken list
 /// (a pasted file) from becoming thousands of connection attempts.
@@ -311,6 +355,9 @@ pub struct JetStreamLog {
     read_stall_timeout: Duration,
     request_timeout: Duration,
     in_process: std::sync::Mutex<InProcessWatch>,
+    /// The newest seq an append of this log was acknowledged at: followers compare it with what
+    /// they delivered to notice a dead consumer ([`FOLLOW_STALL_AFTER`]).
+    acknowledged: tokio::sync::watch::Sender<u64>,
 }
 
 /// Times the msg ids the stream leader keeps answering "in process" for, and says when to ask
@@ -432,6 +479,7 @@ impl JetStreamLog {
             read_stall_timeout: config.request_timeout.saturating_mul(3).max(READ_STALL_MIN),
             request_timeout: config.request_timeout,
             in_process: std::sync::Mutex::new(InProcessWatch::default()),
+            acknowledged: tokio::sync::watch::channel(0).0,
         })
     }
 
@@ -459,6 +507,13 @@ impl JetStreamLog {
         let ack = match ack {
             Ok(ack) => {
                 self.watch().settled(msg_id);
+                self.acknowledged.send_if_modified(|newest| {
+                    let newer = ack.sequence > *newest;
+                    if newer {
+                        *newest = ack.sequence;
+                    }
+                    newer
+                });
                 ack
             }
             Err(e) => {
@@ -582,14 +637,40 @@ impl JetStreamLog {
         Ok(info.state.last_sequence)
     }
 
+    /// What a reader's consumers are created from: the stream, the connection and `filter_subject`.
+    fn consumer_source(&self, filter_subject: String) -> ConsumerSource {
+        ConsumerSource {
+            stream: self.stream.clone(),
+            client: self.client.clone(),
+            filter_subject,
+            attempt_timeout: self.request_timeout.min(CONSUMER_REPLACEMENT_ATTEMPT_TIMEOUT_MAX),
+            allow_direct: self.allow_direct,
+        }
+    }
+}
+
+/// Everything needed to create a reader's ordered consumer, owned, so a follow stream can
+/// replace its consumer without borrowing the log.
+#[derive(Clone)]
+struct ConsumerSource {
+    stream: jetstream::stream::Stream,
+    client: async_nats::Client,
+    filter_subject: String,
+    attempt_timeout: Duration,
+    /// Whether the stream answers direct gets; without them a stalled follow only waits for its
+    /// replacement consumer.
+    allow_direct: bool,
+}
+
+impl ConsumerSource {
     /// Creates an ordered push consumer from `from_seq` with the filter, returning its messages
     /// and the number of matching events pending when it was created.
-    async fn ordered_consumer(&self, from_seq: u64, filter_subject: String) -> LogResult<(push::Ordered, u64)> {
+    async fn create(&self, from_seq: u64) -> LogResult<(push::Ordered, u64)> {
         let consumer = self
             .stream
             .create_consumer(push::OrderedConfig {
                 deliver_subject: self.client.new_inbox(),
-                filter_subject,
+                filter_subject: self.filter_subject.clone(),
                 deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: from_seq },
                 description: Some("anima-engine reader".into()),
                 ..Default::default()
@@ -599,6 +680,47 @@ impl JetStreamLog {
         let pending = consumer.cached_info().num_pending;
         let messages = consumer.messages().await.map_err(|e| classify("subscribe to consumer", &e))?;
         Ok((messages, pending))
+    }
+
+    /// The event at `seq`, read directly from whichever replica answers (no consumer, so no
+    /// meta leader needed), bounded like a replacement attempt. `None` when no replica has it
+    /// yet or none answered in time: the caller tries again after [`DIRECT_READ_PAUSE`].
+    async fn direct(&self, seq: u64) -> Option<StoredRecord> {
+        if !self.allow_direct {
+            return None;
+        }
+        match tokio::time::timeout(self.attempt_timeout, self.stream.direct_get(seq)).await {
+            Ok(Ok(message)) => stream_message_record(message).ok(),
+            Ok(Err(e)) => {
+                tracing::debug!(seq, error = %e, "direct read of an owed event failed; retrying");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// A new consumer from `from_seq`, retried (bounded) while the cluster cannot create one,
+    /// e.g. while it elects a meta leader.
+    fn replacement(&self, from_seq: u64) -> futures::future::BoxFuture<'static, LogResult<push::Ordered>> {
+        let source = self.clone();
+        Box::pin(async move {
+            let mut attempt = 1;
+            loop {
+                let failure = match tokio::time::timeout(source.attempt_timeout, source.create(from_seq)).await {
+                    Ok(Ok((messages, _))) => return Ok(messages),
+                    Ok(Err(e)) => e,
+                    Err(_) => {
+                        LogError::Unavailable(format!("create consumer: no answer within {:?}", source.attempt_timeout))
+                    }
+                };
+                if attempt >= CONSUMER_REPLACEMENT_ATTEMPTS_MAX {
+                    return Err(failure);
+                }
+                tracing::debug!(attempt, error = %failure, from_seq, "replacement consumer not created yet; retrying");
+                tokio::time::sleep(CONSUMER_REPLACEMENT_PAUSE).await;
+                attempt += 1;
+            }
+        })
     }
 }
 
@@ -646,7 +768,7 @@ impl EventLog for JetStreamLog {
         if from_seq > bound {
             return Ok(stream::empty().boxed());
         }
-        let (messages, pending) = self.ordered_consumer(from_seq, filter_subject).await?;
+        let (messages, pending) = self.consumer_source(filter_subject).create(from_seq).await?;
         if pending == 0 {
             return Ok(stream::empty().boxed());
         }
@@ -692,12 +814,34 @@ impl EventLog for JetStreamLog {
             FilterPlan::Nothing => return Ok(stream::pending().boxed()),
             FilterPlan::Subject(subject) => subject,
         };
-        let (messages, _) = self.ordered_consumer(from_seq, filter_subject).await?;
-        let reader = ConsumerReader { messages, next_seq: from_seq };
-        let records = stream::unfold(Some(reader), |reader| async move {
-            let mut reader = reader?;
-            match reader.next_record().await {
-                Ok((record, _)) => Some((Ok(record), Some(reader))),
+        // Watched before the first consumer is created, so no election after its creation goes
+        // unseen (one just before only replaces a consumer that was fine).
+        let elections = match self
+            .client
+            .subscribe(format!("{LEADER_ELECTED_ADVISORY_PREFIX}.{}", self.stream_name))
+            .await
+        {
+            Ok(elections) => Some(elections),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch stream leader elections; a consumer lost with the leader is noticed later");
+                None
+            }
+        };
+        let source = self.consumer_source(filter_subject);
+        let (messages, _) = source.create(from_seq).await?;
+        let acknowledged = source.filter_subject.is_empty().then(|| self.acknowledged.subscribe());
+        let follower = Follower {
+            reader: ConsumerReader { messages, next_seq: from_seq },
+            source,
+            elections,
+            acknowledged,
+            stall_deadline: None,
+            replacement: None,
+        };
+        let records = stream::unfold(Some(follower), |follower| async move {
+            let mut follower = follower?;
+            match follower.next_record().await {
+                Ok(record) => Some((Ok(record), Some(follower))),
                 Err(e) => Some((Err(e), None)),
             }
         });
@@ -738,6 +882,115 @@ impl EventLog for JetStreamLog {
 
     async fn last_seq(&self) -> LogResult<u64> {
         self.stream_last_seq().await
+    }
+}
+
+/// A `follow`: its ordered consumer, and what tells it that the consumer may have died with its
+/// node (see the module header), so it can replace it from the next seq it owes.
+struct Follower {
+    reader: ConsumerReader,
+    source: ConsumerSource,
+    /// The stream's leader-elected advisories; `None` when they cannot be watched.
+    elections: Option<async_nats::Subscriber>,
+    /// The newest seq an append of this log was acknowledged at. `None` for a filtered follow (an
+    /// acknowledged seq on another subject is owed to nobody) and once the log is dropped.
+    acknowledged: Option<tokio::sync::watch::Receiver<u64>>,
+    /// Set while an acknowledged seq is owed: when it passes without a delivery, the consumer is
+    /// replaced.
+    stall_deadline: Option<tokio::time::Instant>,
+    /// The consumer being created to replace the current one.
+    replacement: Option<futures::future::BoxFuture<'static, LogResult<push::Ordered>>>,
+}
+
+impl Follower {
+    async fn next_record(&mut self) -> LogResult<StoredRecord> {
+        loop {
+            let Follower { reader, source, elections, acknowledged, stall_deadline, replacement } = self;
+            let newest_acknowledged = acknowledged.as_mut().map(|newest| *newest.borrow_and_update());
+            let owed = newest_acknowledged.is_some_and(|newest| newest >= reader.next_seq);
+            if !owed {
+                *stall_deadline = None;
+            } else if stall_deadline.is_none() {
+                *stall_deadline = Some(tokio::time::Instant::now() + FOLLOW_STALL_AFTER);
+            }
+            let stall = async {
+                match *stall_deadline {
+                    Some(deadline) => tokio::time::sleep_until(deadline).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                // A buffered record comes before any verdict on the consumer: a follower that was
+                // not polled for a while has not stalled.
+                biased;
+                next = reader.next_record() => {
+                    *stall_deadline = None;
+                    return next.map(|(record, _)| record);
+                }
+                replaced = async { replacement.as_mut().expect("guarded by the condition").await },
+                    if replacement.is_some() =>
+                {
+                    *replacement = None;
+                    // The new consumer gets its own time to deliver what is owed.
+                    *stall_deadline = None;
+                    match replaced {
+                        Ok(messages) => {
+                            // The old consumer's subscription ends here; the server removes the
+                            // consumer, if its node still lives, once it has no interest.
+                            reader.messages = messages;
+                            tracing::info!(from_seq = reader.next_seq, "follow consumer replaced");
+                        }
+                        Err(e) => tracing::warn!(error = %e, "follow consumer not replaced; keeping the old one"),
+                    }
+                }
+                election = async { elections.as_mut().expect("guarded by the condition").next().await },
+                    if elections.is_some() =>
+                {
+                    match election {
+                        Some(_) => {
+                            // A replacement already under way was placed before this election:
+                            // start again from what is owed now.
+                            tracing::info!(from_seq = reader.next_seq, "stream leader elected; replacing the follow consumer");
+                            *replacement = Some(source.replacement(reader.next_seq));
+                        }
+                        None => *elections = None,
+                    }
+                }
+                changed = async { acknowledged.as_mut().expect("guarded by the condition").changed().await },
+                    if !owed && acknowledged.is_some() =>
+                {
+                    if changed.is_err() {
+                        *acknowledged = None;
+                    }
+                }
+                () = stall => {
+                    if replacement.is_none() {
+                        tracing::info!(
+                            from_seq = reader.next_seq,
+                            acknowledged = newest_acknowledged,
+                            "follow consumer delivered nothing for {FOLLOW_STALL_AFTER:?} while an acknowledged event is owed; replacing it"
+                        );
+                        *replacement = Some(source.replacement(reader.next_seq));
+                    }
+                    // Until a consumer delivers again, the owed events are read one by one from
+                    // any replica: a new consumer needs the meta leader, which may be in an
+                    // election of its own, a direct get does not.
+                    match source.direct(reader.next_seq).await {
+                        Some(record) => {
+                            debug_assert!(record.seq >= reader.next_seq, "a direct get never goes back");
+                            reader.next_seq = record.seq + 1;
+                            // Still stalled: the next owed event is read the same way at once.
+                            *stall_deadline = Some(tokio::time::Instant::now());
+                            return Ok(record);
+                        }
+                        None => {
+                            let pause = if source.allow_direct { DIRECT_READ_PAUSE } else { FOLLOW_STALL_AFTER };
+                            *stall_deadline = Some(tokio::time::Instant::now() + pause);
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -319,3 +319,108 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
     assert_eq!(lost, 0, "every acknowledged event is stored, at the seq its ack reported");
     assert_eq!(stored.len(), FAILOVER_EVENTS, "nothing else is stored");
 }
+
+/// Follows that get a new consumer before one lands on a node fit to kill.
+const CONSUMER_PLACEMENT_TRIES_MAX: usize = 20;
+
+/// The node the stream's only consumer runs on (an ordered consumer is one replica, placed on
+/// any node of the stream) and its name.
+async fn only_consumer(admin: &async_nats::jetstream::Context) -> (String, String) {
+    let stream = admin.get_stream("ANIMA").await.expect("stream");
+    let consumers: Vec<_> = stream.consumers().collect().await;
+    assert_eq!(consumers.len(), 1, "one follow, one consumer: {consumers:?}");
+    let info = consumers.into_iter().next().expect("one").expect("consumer info");
+    let node = info.cluster.and_then(|cluster| cluster.leader).expect("a clustered consumer has a node");
+    (node, info.name)
+}
+
+/// Given a follow whose consumer runs on a follower node of the R3 stream, when that node is
+/// killed (SIGKILL), no leader changes and the follow's connection stays up, so nothing announces
+/// that the consumer is gone; events appended after the kill still reach the follow, in order.
+/// Prints how long after the first of them was acknowledged the follow delivered it (not
+/// asserted: speed is the report's, not the test's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_whose_consumer_dies_with_its_node_delivers_what_is_appended_after() {
+    let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+    let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
+    let log = poll_until("the R3 stream is created", || {
+        let config = config.clone();
+        async move {
+            match JetStreamLog::connect(config).await {
+                Ok(log) => Some(log),
+                Err(LogError::Unavailable(_)) => None,
+                Err(e) => panic!("connect to the cluster: {e}"),
+            }
+        }
+    })
+    .await;
+    let servers = parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
+    let admin_client = async_nats::ConnectOptions::new()
+        .request_timeout(Some(ADMIN_TIMEOUT))
+        .connect(servers)
+        .await
+        .expect("admin connection");
+    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
+    poll_until("the stream has a leader and current followers", || async {
+        stream_cluster(&admin).await.filter(|(_, current)| *current)
+    })
+    .await;
+    log.append(record("before-the-kill")).await.expect("append");
+
+    // Placement is the server's choice: follow again until the consumer is on neither the
+    // stream leader (its death would be announced by an election) nor the node the log is
+    // connected to (its death would be a disconnect).
+    let mut placement = None;
+    for _ in 0..CONSUMER_PLACEMENT_TRIES_MAX {
+        let mut follow = log.follow(1, None).await.expect("follow");
+        let first = tokio::time::timeout(CLUSTER_STEP_DEADLINE, follow.next()).await.expect("a first record");
+        assert_eq!(first.expect("live").expect("record").seq, 1);
+        let (node, consumer) = only_consumer(&admin).await;
+        let (leader, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+        if node != leader && node != log.connected_server() {
+            placement = Some((follow, node));
+            break;
+        }
+        drop(follow);
+        let stream = admin.get_stream("ANIMA").await.expect("stream");
+        stream.delete_consumer(&consumer).await.expect("the dropped follow's consumer is deleted");
+    }
+    let (mut follow, node) = placement.expect("a consumer on a follower node within the tries");
+    let index = cluster.node_named(&node).unwrap_or_else(|| panic!("consumer on {node:?}, not a node"));
+    tokio::task::block_in_place(|| cluster.node(index).kill());
+
+    let appended = poll_until("an append after the kill", || async {
+        match log.append(record("after-the-kill")).await {
+            Ok(outcome) => Some(outcome.seq()),
+            Err(LogError::Unavailable(_)) => None,
+            Err(e) => panic!("append after the kill: {e}"),
+        }
+    })
+    .await;
+    let acknowledged_at = tokio::time::Instant::now();
+    let delivered = tokio::time::timeout(CLUSTER_STEP_DEADLINE, follow.next())
+        .await
+        .expect("the follow delivers the event appended after the kill")
+        .expect("live")
+        .expect("record");
+    eprintln!(
+        "  consumer node {node} killed: the follow delivered seq {} {:.2} s after its append was acknowledged",
+        delivered.seq,
+        acknowledged_at.elapsed().as_secs_f64()
+    );
+    assert_eq!(delivered.seq, appended, "the next record is the one appended after the kill");
+    assert_eq!(delivered.seq, 2);
+    // However the follow got it, it is the record any reader gets: same time, subject, payload
+    // (the fold decides with the log's time). A read needs a consumer, so it may have to wait
+    // for the cluster to place one again; it is read before the killed node returns, because a
+    // read's consumer placed on a replica still catching up ends at what that replica has.
+    let read = poll_until("a read of the event", || async {
+        let records = log.read(2, 2, None).await.ok()?;
+        let records: Vec<StoredRecord> =
+            records.collect::<Vec<_>>().await.into_iter().collect::<Result<_, _>>().ok()?;
+        (!records.is_empty()).then_some(records)
+    })
+    .await;
+    assert_eq!(read, vec![delivered]);
+    tokio::task::block_in_place(|| cluster.node(index).resume());
+}
