@@ -84,6 +84,15 @@ impl Fleet {
         elapsed
     }
 
+    /// What the engine's tick holds the state's lock for: reading the plan's facts.
+    fn locked(&self) -> Duration {
+        let started = Instant::now();
+        let facts = std::hint::black_box(self.state.memory_plan_facts());
+        let held = started.elapsed();
+        assert_eq!(facts.agents.len(), AGENTS);
+        held
+    }
+
     fn offsets(&self) -> Duration {
         let started = Instant::now();
         for agent in &self.agents {
@@ -114,13 +123,18 @@ pub fn bench(c: &mut Criterion, quick: bool) -> Option<String> {
     });
     let plan = median(&runs.engine);
     let raw = median(&runs.raw);
+    let locked: Vec<Duration> = (0..runs.engine.len()).map(|_| fleet.locked()).collect();
+    let locked = median(&locked);
     Some(format!(
         "memory_tick: plan of {AGENTS} agents {:.1} ms ({:.2} µs/agent; {due} due, maxConcurrent 100), raw SHA-256 \
-         offsets of the same ids {:.1} ms, ratio {:.1}× (median of {} interleaved rounds)",
+         offsets of the same ids {:.1} ms, ratio {:.1}× (median of {} interleaved rounds); of it the state's lock \
+         is held {:.2} ms (the facts read), ratio {:.3} of the plan",
         plan.as_secs_f64() * 1e3,
         plan.as_secs_f64() * 1e6 / AGENTS as f64,
         raw.as_secs_f64() * 1e3,
         plan.as_secs_f64() / raw.as_secs_f64(),
         runs.engine.len(),
+        locked.as_secs_f64() * 1e3,
+        locked.as_secs_f64() / plan.as_secs_f64(),
     ))
 }

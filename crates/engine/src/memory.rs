@@ -86,8 +86,12 @@ impl Engine {
     }
 
     /// The scheduler's dry run at `as_of_ns` from this instance's state.
+    ///
+    /// Only the facts are read under the state's lock (which requests and the fold need); the
+    /// slots, the wording and the sort are computed after it is let go.
     pub fn memory_plan(&self, as_of_ns: i64) -> MemoryPlan {
-        self.projection().state().memory_plan(as_of_ns)
+        let facts = self.projection().state().memory_plan_facts();
+        facts.plan(as_of_ns)
     }
 
     /// Asks the fold to queue the agent's pass of `window_day`.

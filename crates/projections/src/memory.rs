@@ -14,6 +14,8 @@
 //!   completed with different digests → `completed`, with equal ones → `quiet_skipped`, failed or
 //!   aborted → `failed` with the reason. Recording it closes the gate.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::memory_slot::{MemoryPassCalendar, MemoryPassSettings, MemoryPassSettingsError, MemoryPassSlot};
@@ -352,7 +354,7 @@ impl State {
             return refused(RefusalKind::FailedPrecondition, "no slot is due at this log time");
         };
         let open = self.memory_open.len() as u32;
-        let (status, why) = self.pass_status(&config, agent, &due);
+        let (status, why) = pass_status(&config, &self.agent_pass_facts(agent), &due.local_date_label());
         match status {
             PassStatus::Due | PassStatus::WaitingForLimit => {}
             _ => return refused(refusal_kind(status), why),
@@ -467,15 +469,176 @@ impl State {
     /// whether a pass would be accepted now and why. Pure: the same state and instant give the
     /// same plan on every instance.
     pub fn memory_plan(&self, as_of_ns: i64) -> MemoryPlan {
+        self.memory_plan_facts().plan(as_of_ns)
+    }
+
+    /// What a plan is computed from, read from the state: the configuration, the open passes
+    /// and each covered agent's facts. Cheap (a lookup and a clone per agent), so a caller
+    /// holding the state's lock reads these and computes [`PlanFacts::plan`] — the time-zone
+    /// math, the wording and the sort — after letting go of it.
+    pub fn memory_plan_facts(&self) -> PlanFacts {
         let config = self.memory_config();
-        let open = self.memory_open.len() as u32;
-        let calendar = config.calendar().ok();
-        let mut agents: Vec<&str> = self.agents.iter().map(|(id, _)| id.as_str()).collect();
+        let open_by_agent: BTreeMap<&str, &OpenPass> =
+            self.memory_open.iter().map(|(_, open_pass)| (open_pass.agent.as_str(), open_pass)).collect();
+        let facts_of = |agent: &str, registered: bool| AgentPassFacts {
+            agent: agent.to_owned(),
+            registered,
+            open_pass: open_by_agent.get(agent).map(|open_pass| (*open_pass).clone()),
+            gate: self.memory_gate(agent),
+        };
+        let mut agents: Vec<AgentPassFacts> = self.agents.iter().map(|(id, _)| facts_of(id, true)).collect();
         agents.extend(
-            config.scope_agent_ids.iter().map(String::as_str).filter(|id| !self.agents.contains_key(&(*id).to_owned())),
+            config.scope_agent_ids.iter().filter(|id| !self.agents.contains_key(*id)).map(|id| facts_of(id, false)),
         );
+        PlanFacts { open: self.memory_open.len() as u32, config, agents }
+    }
+
+    /// One agent's facts, as [`State::memory_plan_facts`] reads them.
+    fn agent_pass_facts(&self, agent: &str) -> AgentPassFacts {
+        AgentPassFacts {
+            agent: agent.to_owned(),
+            registered: self.agents.contains_key(&agent.to_owned()),
+            // One open pass per agent: `memory_open` holds at most maxConcurrent passes, so
+            // the scan is short.
+            open_pass: self.memory_open.iter().map(|(_, open_pass)| open_pass).find(|p| p.agent == agent).cloned(),
+            gate: self.memory_gate(agent),
+        }
+    }
+
+    /// One agent's line as of `as_of_ns`, without computing every agent's plan: a due, eligible
+    /// pass is `Due` when the fold would accept a request for it now (fewer than `maxConcurrent`
+    /// open), else `WaitingForLimit`. (The full plan also shares free places out in slot order.)
+    /// `None` when the agent is neither registered nor in the scope.
+    pub fn memory_status(&self, agent: &str, as_of_ns: i64) -> Option<PassPlanEntry> {
+        let config = self.memory_config();
+        let scoped = config.scope_agent_ids.binary_search_by(|id| id.as_str().cmp(agent)).is_ok();
+        if !self.agents.contains_key(&agent.to_owned()) && !scoped {
+            return None;
+        }
+        let calendar = config.calendar().ok();
+        let mut entry = plan_entry(&config, calendar.as_ref(), self.agent_pass_facts(agent), as_of_ns);
+        if entry.status == PassStatus::WaitingForLimit {
+            let open = self.memory_open.len() as u32;
+            if open < config.max_concurrent {
+                entry.status = PassStatus::Due;
+                entry.why = format!("due since {} and history is newer than the last outcome", entry.due_label);
+            } else {
+                entry.why = format!(
+                    "due since {}, but {open} passes are open (maxConcurrent {})",
+                    entry.due_label, config.max_concurrent
+                );
+            }
+        }
+        Some(entry)
+    }
+}
+
+fn refusal_kind(status: PassStatus) -> RefusalKind {
+    match status {
+        PassStatus::NotRegistered => RefusalKind::InvalidArgument,
+        PassStatus::Open | PassStatus::AlreadyDone => RefusalKind::Aborted,
+        _ => RefusalKind::FailedPrecondition,
+    }
+}
+
+fn clip(reason: &str) -> String {
+    let mut end = reason.len().min(OUTCOME_REASON_BYTES_MAX);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].to_owned()
+}
+
+/// The status of an agent's due pass, before the limit is shared out: `WaitingForLimit`
+/// stands for "due and eligible" and [`PlanFacts::plan`] turns the first ones into `Due`. The
+/// fold's request judging and the plan both use it: one copy of the rule.
+fn pass_status(config: &MemoryConfig, facts: &AgentPassFacts, day: &str) -> (PassStatus, String) {
+    let agent = facts.agent.as_str();
+    if !config.enabled {
+        return (PassStatus::Disabled, "memory passes are disabled (memoryCoherence.enabled = false)".into());
+    }
+    if !config.in_scope(agent) {
+        return (PassStatus::OutOfScope, "memoryCoherence.scopeAgentIds does not list this agent".into());
+    }
+    if !facts.registered {
+        return (PassStatus::NotRegistered, "the scope lists this agent but it is not registered".into());
+    }
+    // One open pass per agent: with maxConcurrent ≥ 2 yesterday's pass, still queued or
+    // running, must not let today's open beside it.
+    if let Some(open_pass) = &facts.open_pass {
+        let state = if open_pass.started_at_ns.is_some() { "running" } else { "queued" };
+        return (
+            PassStatus::Open,
+            format!("the pass of {} is {state} (queued at seq {})", open_pass.window_day, open_pass.queued_seq),
+        );
+    }
+    let gate = &facts.gate;
+    if !gate.last_window_day.is_empty() && gate.last_window_day.as_str() >= day {
+        let outcome = gate
+            .last_outcome
+            .as_ref()
+            .map_or("no outcome yet".to_owned(), |o| format!("{} at seq {}", o.outcome.as_str(), o.finished_seq));
+        return (PassStatus::AlreadyDone, format!("the pass of {} already ran ({outcome})", gate.last_window_day));
+    }
+    if !gate.eligible() {
+        let why = match (gate.newest_history_seq, gate.newest_outcome_seq) {
+            (0, _) => "no history: no wake was queued and no send confirmed for this agent".to_owned(),
+            (history, outcome) => {
+                format!(
+                    "no new history: the newest entry (seq {history}) is older than the last outcome (seq {outcome})"
+                )
+            }
+        };
+        return (PassStatus::NoNewHistory, why);
+    }
+    (PassStatus::WaitingForLimit, String::new())
+}
+
+/// One agent's line of the plan, before the limit is shared out (see [`pass_status`]).
+fn plan_entry(
+    config: &MemoryConfig,
+    calendar: Option<&MemoryPassCalendar>,
+    facts: AgentPassFacts,
+    as_of_ns: i64,
+) -> PassPlanEntry {
+    let due = calendar.and_then(|c| c.due_slot_at_ns(as_of_ns, &facts.agent));
+    let due_label = match (calendar, &due) {
+        (Some(c), Some(d)) => c.local_label(d.slot),
+        _ => String::new(),
+    };
+    let (status, why) = match &due {
+        Some(due) => pass_status(config, &facts, &due.local_date_label()),
+        None => (PassStatus::Disabled, "no slot is representable at this instant".to_owned()),
+    };
+    PassPlanEntry { agent: facts.agent, due, due_label, status, why, gate: facts.gate }
+}
+
+/// One agent as a plan judges it: the facts [`pass_status`] reads.
+#[derive(Clone, Debug)]
+pub struct AgentPassFacts {
+    pub agent: String,
+    pub registered: bool,
+    /// Its pass still queued or running, if one is.
+    pub open_pass: Option<OpenPass>,
+    pub gate: MemoryGate,
+}
+
+/// What a plan is computed from ([`State::memory_plan_facts`]).
+#[derive(Clone, Debug)]
+pub struct PlanFacts {
+    pub config: MemoryConfig,
+    /// Passes queued or running, fleet-wide.
+    pub open: u32,
+    pub agents: Vec<AgentPassFacts>,
+}
+
+impl PlanFacts {
+    /// The plan at `as_of_ns`: slots, statuses and the limit shared out in slot order.
+    pub fn plan(self, as_of_ns: i64) -> MemoryPlan {
+        let PlanFacts { config, open, agents } = self;
+        let calendar = config.calendar().ok();
         let mut entries: Vec<PassPlanEntry> =
-            agents.into_iter().map(|agent| self.plan_entry(&config, calendar.as_ref(), agent, as_of_ns)).collect();
+            agents.into_iter().map(|facts| plan_entry(&config, calendar.as_ref(), facts, as_of_ns)).collect();
         entries.sort_by(|a, b| {
             let slot = |e: &PassPlanEntry| e.due.as_ref().map_or(i64::MAX, |d| d.slot_at_ns);
             slot(a).cmp(&slot(b)).then_with(|| a.agent.cmp(&b.agent))
@@ -496,112 +659,4 @@ impl State {
         }
         MemoryPlan { as_of_ns, config, open, entries }
     }
-
-    /// One agent's line of the plan, before the limit is shared out (see [`State::pass_status`]).
-    fn plan_entry(
-        &self,
-        config: &MemoryConfig,
-        calendar: Option<&MemoryPassCalendar>,
-        agent: &str,
-        as_of_ns: i64,
-    ) -> PassPlanEntry {
-        let due = calendar.and_then(|c| c.due_slot_at_ns(as_of_ns, agent));
-        let due_label = match (calendar, &due) {
-            (Some(c), Some(d)) => c.local_label(d.slot),
-            _ => String::new(),
-        };
-        let (status, why) = match &due {
-            Some(due) => self.pass_status(config, agent, due),
-            None => (PassStatus::Disabled, "no slot is representable at this instant".to_owned()),
-        };
-        PassPlanEntry { agent: agent.to_owned(), due, due_label, status, why, gate: self.memory_gate(agent) }
-    }
-
-    /// One agent's line as of `as_of_ns`, without computing every agent's plan: a due, eligible
-    /// pass is `Due` when the fold would accept a request for it now (fewer than `maxConcurrent`
-    /// open), else `WaitingForLimit`. (The full plan also shares free places out in slot order.)
-    /// `None` when the agent is neither registered nor in the scope.
-    pub fn memory_status(&self, agent: &str, as_of_ns: i64) -> Option<PassPlanEntry> {
-        let config = self.memory_config();
-        let scoped = config.scope_agent_ids.binary_search_by(|id| id.as_str().cmp(agent)).is_ok();
-        if !self.agents.contains_key(&agent.to_owned()) && !scoped {
-            return None;
-        }
-        let calendar = config.calendar().ok();
-        let mut entry = self.plan_entry(&config, calendar.as_ref(), agent, as_of_ns);
-        if entry.status == PassStatus::WaitingForLimit {
-            let open = self.memory_open.len() as u32;
-            if open < config.max_concurrent {
-                entry.status = PassStatus::Due;
-                entry.why = format!("due since {} and history is newer than the last outcome", entry.due_label);
-            } else {
-                entry.why = format!(
-                    "due since {}, but {open} passes are open (maxConcurrent {})",
-                    entry.due_label, config.max_concurrent
-                );
-            }
-        }
-        Some(entry)
-    }
-
-    /// The status of an agent's due pass, before the limit is shared out: `WaitingForLimit`
-    /// stands for "due and eligible" and [`State::memory_plan`] turns the first ones into `Due`.
-    fn pass_status(&self, config: &MemoryConfig, agent: &str, due: &MemoryPassSlot) -> (PassStatus, String) {
-        let day = due.local_date_label();
-        if !config.enabled {
-            return (PassStatus::Disabled, "memory passes are disabled (memoryCoherence.enabled = false)".into());
-        }
-        if !config.in_scope(agent) {
-            return (PassStatus::OutOfScope, "memoryCoherence.scopeAgentIds does not list this agent".into());
-        }
-        if !self.agents.contains_key(&agent.to_owned()) {
-            return (PassStatus::NotRegistered, "the scope lists this agent but it is not registered".into());
-        }
-        // One open pass per agent: with maxConcurrent ≥ 2 yesterday's pass, still queued or
-        // running, must not let today's open beside it. `memory_open` holds at most
-        // maxConcurrent passes, so the scan is short.
-        if let Some(open_pass) =
-            self.memory_open.iter().map(|(_, open_pass)| open_pass).find(|open_pass| open_pass.agent == agent)
-        {
-            let state = if open_pass.started_at_ns.is_some() { "running" } else { "queued" };
-            return (
-                PassStatus::Open,
-                format!("the pass of {} is {state} (queued at seq {})", open_pass.window_day, open_pass.queued_seq),
-            );
-        }
-        let gate = self.memory_gate(agent);
-        if !gate.last_window_day.is_empty() && gate.last_window_day.as_str() >= day.as_str() {
-            let outcome = gate
-                .last_outcome
-                .as_ref()
-                .map_or("no outcome yet".to_owned(), |o| format!("{} at seq {}", o.outcome.as_str(), o.finished_seq));
-            return (PassStatus::AlreadyDone, format!("the pass of {} already ran ({outcome})", gate.last_window_day));
-        }
-        if !gate.eligible() {
-            let why = match (gate.newest_history_seq, gate.newest_outcome_seq) {
-                (0, _) => "no history: no wake was queued and no send confirmed for this agent".to_owned(),
-                (history, outcome) => {
-                    format!("no new history: the newest entry (seq {history}) is older than the last outcome (seq {outcome})")
-                }
-            };
-            return (PassStatus::NoNewHistory, why);
-        }
-        (PassStatus::WaitingForLimit, String::new())
-    }
-}
-
-fn refusal_kind(status: PassStatus) -> RefusalKind {
-    match status {
-        PassStatus::NotRegistered => RefusalKind::InvalidArgument,
-        PassStatus::Open | PassStatus::AlreadyDone => RefusalKind::Aborted,
-        _ => RefusalKind::FailedPrecondition,
-    }
-}
-
-fn clip(reason: &str) -> String {
-    let mut end = reason.len().min(OUTCOME_REASON_BYTES_MAX);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    reason[..end].to_owned()
 }
