@@ -285,6 +285,16 @@ impl Engine {
                     ),
                 ))
             }
+            // Another agent's request under the same id: its verdict (a held notice shows that
+            // agent's conversation) must not reach this caller. Content-derived ids include the
+            // agent, so only a client's request_id can collide so.
+            (Some(stored), Some(ours)) if request_agent(&stored) != request_agent(ours) => Err(invalid(
+                "request_id",
+                format!(
+                    "{} was already used for another agent's request; send a new UUID",
+                    validate::echo(&envelope.event_id)
+                ),
+            )),
             // The same kind (a retry), or a payload this build cannot read: the verdict decides.
             _ => Ok(()),
         }
@@ -965,6 +975,29 @@ pub async fn run_recovery_loop(
         }
     })
     .await;
+}
+
+/// The agent a request is made for, when the payload names one.
+fn request_agent(payload: &Payload) -> Option<&str> {
+    Some(match payload {
+        Payload::Send(p) => &p.agent_id,
+        Payload::SendConfirmed(p) => &p.agent_id,
+        Payload::WakeClaim(p) => &p.agent_id,
+        Payload::WakeStart(p) => &p.agent_id,
+        Payload::WakeFinish(p) => &p.agent_id,
+        Payload::WakeHeartbeat(p) => &p.agent_id,
+        Payload::WakeRecovery(p) => &p.agent_id,
+        Payload::SubscriptionChange(p) => &p.agent_id,
+        Payload::LinearResponse(p) => &p.agent_id,
+        Payload::LinearResponseOutcome(p) => &p.agent_id,
+        Payload::MemoryPass(p) => &p.agent_id,
+        Payload::SlackMessage(p) => &p.receiving_agent_id,
+        Payload::ChatMessage(p) => &p.receiving_agent_id,
+        Payload::LinearSession(p) => &p.receiving_agent_id,
+        Payload::SlackThreadStop(p) => &p.receiving_agent_id,
+        Payload::AgentRegistered(p) => &p.agent_id,
+        Payload::MemoryConfig(_) | Payload::DoNotContact(_) => return None,
+    })
 }
 
 pub(crate) fn unexpected(verdict: Verdict) -> CommandError {

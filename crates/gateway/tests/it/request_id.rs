@@ -45,3 +45,36 @@ async fn a_request_id_sent_with_another_kind_of_request_is_refused_naming_it() {
     assert_eq!(again, first);
     fixture.server.shutdown().await.expect("a clean shutdown");
 }
+
+/// Given a send by ada under a request id, when the same id comes with bob's send, then it is
+/// refused naming the field — bob never gets ada's verdict (a held notice would show ada's
+/// conversation) — and ada's retry still gets hers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_of_another_agents_request_is_refused_and_shows_nothing_of_it() {
+    const ID: &str = "019b0000-0000-7000-8000-000000000002";
+    let fixture = Fixture::start().await;
+    let mut sends = api::sends_client::SendsClient::with_interceptor(fixture.channel.clone(), admin);
+    let send = |agent: &str| api::SendRequest {
+        agent_id: agent.into(),
+        target: Some(api::ReplyTarget {
+            target: Some(api::reply_target::Target::Slack(api::SlackTarget {
+                team_id: "T1".into(),
+                channel_id: "D1".into(),
+                thread_ts: String::new(),
+            })),
+        }),
+        kind: api::SendKind::Message as i32,
+        request_id: ID.into(),
+        ..Default::default()
+    };
+    let first = sends.send(send("ada")).await.expect("ada's send").into_inner();
+    let refused = sends.send(send("bob")).await.expect_err("the id names ada's send");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(
+        refused.message().starts_with(&format!("request_id: \"{ID}\" was already used for another agent's request")),
+        "{refused:?}"
+    );
+    let again = sends.send(send("ada")).await.expect("ada's retry").into_inner();
+    assert_eq!(again, first);
+    fixture.server.shutdown().await.expect("a clean shutdown");
+}
