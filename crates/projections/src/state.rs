@@ -16,11 +16,11 @@ use crate::subscription::Subscription;
 use crate::surface::{ChatKind, SurfaceId};
 use crate::table::Table;
 use crate::verdict::Verdict;
-use crate::wake::{AgentQueue, SettledItems};
+use crate::wake::AgentQueue;
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 12;
+pub const FOLD_VERSION: u32 = 13;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -89,8 +89,12 @@ pub struct State {
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
-    /// Settled item ids per agent, oldest first, with their log time, for the duplicate check.
-    pub settled: SettledItems,
+    /// (agent, item id) → its newest settle order and when it settled: the duplicate check of
+    /// new wakes ([`crate::wake::SettledId`]). Cold.
+    pub settled_ids: ColdTable<(AgentKey, String), crate::wake::SettledId>,
+    /// (agent, settle order) → (order, item id), the window of the agent's newest settles, to
+    /// forget the oldest. Cold.
+    pub settled_order: ColdTable<(AgentKey, u64), (u64, String), crate::wake::SettledSlots>,
     pub verdicts: Table<u64, Verdict>,
     /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
     pub subscriptions: Table<AgentSurface, Subscription>,
@@ -354,7 +358,6 @@ state_tables! {
     2 => slack_identities,
     3 => journals,
     6 => cursors,
-    8 => settled,
     // 9 held the settle order before `settled` kept it in its key.
     11 => subscriptions,
     12 => chat_identities,
@@ -380,6 +383,8 @@ state_tables! {
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
     JOURNAL_ROWS_TAG => journal_rows,
+    SETTLED_IDS_TAG => settled_ids,
+    SETTLED_ORDER_TAG => settled_order,
 }
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
@@ -389,6 +394,8 @@ const VERDICTS_TAG: u8 = 10;
 const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
+pub(crate) const SETTLED_IDS_TAG: u8 = 33;
+pub(crate) const SETTLED_ORDER_TAG: u8 = 34;
 use crate::journal::JOURNAL_ROWS_TAG;
 
 fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
@@ -502,7 +509,6 @@ impl State {
             + self.slack_identities.len()
             + self.journals.len()
             + self.cursors.len()
-            + self.settled.len()
             + self.verdicts.len()
             + self.subscriptions.len()
             + self.chat_identities.len()

@@ -1,7 +1,7 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use serde::{Deserialize, Serialize};
@@ -10,7 +10,6 @@ use crate::intern::AgentKey;
 use crate::journal::RowMeta;
 use crate::subscription::AttentionNote;
 use crate::surface::SurfaceId;
-use crate::table::Table;
 
 /// Queued items per agent. An observation that would queue more is recorded without a wake, its
 /// verdict saying "not queued: queue full" (counted by analytics), rather than growing the
@@ -179,7 +178,7 @@ pub struct AgentQueue {
     /// above the middle of the range, items put back at the front slots below it).
     slots: VecDeque<u64>,
     pub active: Option<ActiveWake>,
-    /// How many settled ids are remembered for this agent.
+    /// How many settles are remembered for this agent (at most [`SETTLED_REMEMBERED_MAX`]).
     pub settled_remembered: u32,
     /// Order of the next settled id, so the oldest can be forgotten first.
     pub settled_counter: u64,
@@ -376,90 +375,33 @@ impl AgentQueue {
     }
 }
 
-/// (agent, settle order).
-pub type SettleOrder = (AgentKey, u64);
-/// (item id, log time it settled).
-pub type SettledItem = (String, i64);
+/// Settled item ids are remembered per agent for the duplicate check of every new wake: the
+/// newest [`SETTLED_REMEMBERED_MAX`] settles of the agent (an id settled again counts again),
+/// each for 14 days. Two cold tables hold them ([`State::settled_ids`], [`State::settled_order`]):
+/// an idle agent's ids leave memory under the budget and are read back when a wake is queued.
+/// (agent, item id) → (its newest settle order, log time it settled).
+pub type SettledId = (u64, i64);
 
-/// Settled item ids per agent in settle order, with a lookup by id: the duplicate check of every
-/// new wake (Settled in the last 14 days, at most [`SETTLED_REMEMBERED_MAX`] per
-/// agent). Several items can settle at one log position (a claim settles covered items on its
-/// way), so the order is a per-agent counter ([`AgentQueue::settled_counter`]).
+/// The settle order of the window is checkpointed in slots: the settle that enters an agent's
+/// window overwrites the one that leaves it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SettledItems {
-    /// (agent, settle order) → (item id, log time it settled); oldest first per agent. Persisted.
-    by_order: Table<SettleOrder, SettledItem>,
-    /// Agent → item id → its settle order. Derived from `by_order` (rebuilt when a checkpoint
-    /// loads), only looked up, never iterated.
-    orders: HashMap<AgentKey, HashMap<String, u64>>,
-}
+pub struct SettledSlots;
 
-impl SettledItems {
-    /// Log time `item_id` last settled for `agent`, if it is still remembered.
-    pub fn settled_at(&self, agent: AgentKey, item_id: &str) -> Option<i64> {
-        let order = self.orders.get(&agent)?.get(item_id)?;
-        self.by_order.get(&(agent, *order)).map(|(_, at_ns)| *at_ns)
+impl crate::cold::Slots<(AgentKey, u64), (u64, String)> for SettledSlots {
+    fn slot(&(agent, order): &(AgentKey, u64)) -> (AgentKey, u64) {
+        (agent, order % SETTLED_REMEMBERED_MAX as u64)
     }
-
-    /// Remembers that `item_id` settled at `at_ns`, as the agent's newest. Returns whether it
-    /// was remembered already: its older entry is then replaced, not kept twice.
-    fn insert(&mut self, agent: AgentKey, order: u64, item_id: &str, at_ns: i64) -> bool {
-        let previous = self.orders.entry(agent).or_default().insert(item_id.to_owned(), order);
-        if let Some(previous) = previous {
-            self.by_order.remove(&(agent, previous));
-        }
-        self.by_order.insert((agent, order), (item_id.to_owned(), at_ns));
-        previous.is_some()
+    fn holds(&(_, order): &(AgentKey, u64), &(stored, _): &(u64, String)) -> bool {
+        stored == order
     }
-
-    /// Forgets the agent's oldest settled id.
-    fn forget_oldest(&mut self, agent: AgentKey) {
-        let oldest =
-            self.by_order.range((agent, 0)..=(agent, u64::MAX)).next().map(|(key, (id, _))| (*key, id.clone()));
-        if let Some((key, id)) = oldest {
-            self.by_order.remove(&key);
-            if let Some(ids) = self.orders.get_mut(&agent) {
-                ids.remove(&id);
-            }
-        }
-    }
-
-    /// The remembered settled ids of `agent`, oldest first.
-    pub fn ids_of(&self, agent: AgentKey) -> impl Iterator<Item = &str> {
-        self.by_order.range((agent, 0)..=(agent, u64::MAX)).map(|(_, (id, _))| id.as_str())
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&SettleOrder, &SettledItem)> {
-        self.by_order.iter()
-    }
-
-    pub fn len(&self) -> usize {
-        self.by_order.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_order.is_empty()
-    }
-
-    /// Entries changed since the last call (`None`: removed).
-    pub fn drain_changes(&mut self) -> Vec<(SettleOrder, Option<&SettledItem>)> {
-        self.by_order.drain_changes()
-    }
-
-    /// Loads an entry from a checkpoint; not marked changed.
-    pub fn load(&mut self, key: SettleOrder, value: SettledItem) {
-        self.orders.entry(key.0).or_default().insert(value.0.clone(), key.1);
-        self.by_order.load(key, value);
-    }
-
-    pub fn changed_len(&self) -> usize {
-        self.by_order.changed_len()
+    fn key_of((agent, _): (AgentKey, u64), &(order, _): &(u64, String)) -> (AgentKey, u64) {
+        (agent, order)
     }
 }
 
 use crate::proto;
 use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
-use crate::state::{LogPosition, State};
+use crate::state::{LogPosition, State, SETTLED_IDS_TAG, SETTLED_ORDER_TAG};
 use crate::verdict::refused;
 use crate::verdict::{ClaimVerdict, ClaimedWake, MovedCursor, RefusalKind, Verdict};
 
@@ -467,7 +409,7 @@ impl State {
     /// Queues `item` unless its id is active, queued, or settled within the remembered window,
     /// or the agent's queue is full. Returns the reason when it was queued, else why not.
     pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Result<WakeReason, NotQueued> {
-        let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled.settled_at(agent, &item.id));
+        let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled_at(agent, &item.id));
         if let Some(settled_at) = settled_at {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
                 return Err(NotQueued::Duplicate);
@@ -499,14 +441,45 @@ impl State {
         let queue = self.queues.entry_or_default(agent.to_owned());
         let order = queue.settled_counter;
         queue.settled_counter += 1;
-        // Settled again: its older entry is replaced and the count stays.
-        if !self.settled.insert(agent_key, order, item_id, at.at_ns) {
-            queue.settled_remembered += 1;
+        queue.settled_remembered =
+            u32::try_from(queue.settled_counter.min(SETTLED_REMEMBERED_MAX as u64)).unwrap_or(u32::MAX);
+        self.settled_ids.insert((agent_key, item_id.to_owned()), (order, at.at_ns));
+        self.settled_order.insert((agent_key, order), (order, item_id.to_owned()));
+        if order >= SETTLED_REMEMBERED_MAX as u64 {
+            let oldest = (agent_key, order - SETTLED_REMEMBERED_MAX as u64);
+            self.settled_order.ensure(SETTLED_ORDER_TAG, &oldest, &self.cold);
+            if let Some((old_order, old_id)) = self.settled_order.remove(&oldest) {
+                // The id may have settled again since: then its entry is the newer one and stays.
+                let key = (agent_key, old_id);
+                self.settled_ids.ensure(SETTLED_IDS_TAG, &key, &self.cold);
+                if self.settled_ids.get(&key).is_some_and(|(order, _)| *order == old_order) {
+                    self.settled_ids.remove(&key);
+                }
+            }
         }
-        if queue.settled_remembered as usize > SETTLED_REMEMBERED_MAX {
-            queue.settled_remembered -= 1;
-            self.settled.forget_oldest(agent_key);
-        }
+    }
+
+    /// Log time `item_id` last settled for `agent`, if it is still remembered (read back from
+    /// the checkpoint when it left memory).
+    fn settled_at(&mut self, agent: AgentKey, item_id: &str) -> Option<i64> {
+        let key = (agent, item_id.to_owned());
+        self.settled_ids.ensure(SETTLED_IDS_TAG, &key, &self.cold);
+        self.settled_ids.get(&key).map(|(_, at_ns)| *at_ns)
+    }
+
+    /// The agent's remembered settled ids, oldest first, and when each settled (for tools and
+    /// tests: reads the checkpoint for what left memory, keeps nothing).
+    pub fn settled_of(&self, agent: &str) -> Vec<(String, i64)> {
+        let (Some(agent_key), Some(queue)) = (self.agent_keys.key(agent), self.queue(agent)) else { return Vec::new() };
+        let first = queue.settled_counter.saturating_sub(SETTLED_REMEMBERED_MAX as u64);
+        (first..queue.settled_counter)
+            .filter_map(|order| {
+                let (_, id) = self.settled_order.read_through(SETTLED_ORDER_TAG, &(agent_key, order), &self.cold)?;
+                let (newest, at_ns) =
+                    self.settled_ids.read_through(SETTLED_IDS_TAG, &(agent_key, id.clone()), &self.cold)?;
+                (newest == order).then_some((id, at_ns))
+            })
+            .collect()
     }
 
     /// The surfaces a wake's plan covers: the trigger's surface, and the surface the answer goes

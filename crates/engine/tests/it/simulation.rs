@@ -1398,10 +1398,7 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
             }
         )*};
     }
-    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows);
-    if live.settled != rebuilt.settled {
-        out.push(format!("settled ({} live vs {} rebuilt)", live.settled.len(), rebuilt.settled.len()));
-    }
+    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order);
     if live.surfaces != rebuilt.surfaces || live.agent_keys != rebuilt.agent_keys {
         out.push("interned keys".to_owned());
     }

@@ -737,3 +737,44 @@ fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory(
     assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
     assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
 }
+
+#[test]
+fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    // An agent settles more wakes than its window remembers; a mention delivery of an old DM
+    // (the same message identity, so the same item id) then wakes again in both folds, of a
+    // recent one is a duplicate in both — with the settled ids read back from the cold store.
+    let mut kept = Scenario::new();
+    let mut evicting = Scenario::evicting();
+    let total = anima_projections::wake::SETTLED_REMEMBERED_MAX as u64 + 20;
+    let dm = |n: u64| dm_from_human("anna", "D1", &format!("{}.000100", 1_600_000_000 + n), "x");
+    fn both(kept: &mut Scenario, evicting: &mut Scenario, envelope: Envelope) -> u64 {
+        let seq = kept.log.fold(envelope.clone());
+        evicting.log.fold(envelope);
+        if seq.is_multiple_of(512) {
+            evicting.checkpoint();
+            evicting.log.state.evict_cold(usize::MAX);
+        }
+        seq
+    }
+    for n in 0..total {
+        both(&mut kept, &mut evicting, dm(n));
+        both(&mut kept, &mut evicting, claim("anna", "w1"));
+        both(&mut kept, &mut evicting, start("anna", "w1"));
+        both(&mut kept, &mut evicting, finish("anna", "w1", anima_projections::proto::WakeOutcome::Completed));
+    }
+    evicting.checkpoint();
+    evicting.log.state.evict_cold(usize::MAX);
+    assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stays in memory");
+    let redelivered: Vec<u64> =
+        [0, total - 5].into_iter().map(|n| both(&mut kept, &mut evicting, dm(n).app_mention())).collect();
+    let woke = |state: &State, seq: u64| match state.verdict(seq) {
+        Some(anima_projections::verdict::Verdict::Journaled(journal)) => journal.wake.is_some(),
+        other => panic!("not journaled: {other:?}"),
+    };
+    assert!(woke(&kept.log.state, redelivered[0]), "settled beyond the window: wakes again");
+    assert!(!woke(&kept.log.state, redelivered[1]), "settled within the window: a duplicate");
+    for seq in 1..=kept.log.events.len() as u64 {
+        assert_eq!(kept.log.state.verdict(seq), evicting.log.state.verdict(seq), "verdict of seq {seq}");
+    }
+    assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
+}
