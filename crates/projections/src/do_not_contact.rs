@@ -167,15 +167,21 @@ impl State {
         if config.bad.is_some() {
             return Some(refuse(NotContactedReason::BadConfig, None, None));
         }
+        // Whether the post goes to one person; `None` when the fold cannot tell (a chat it never
+        // saw a message of: only observations say whether a chat is p2p).
         let (workspace, direct) = match surface {
-            SurfaceId::Slack { team, .. } => (team, surface.is_slack_dm()),
+            SurfaceId::Slack { team, .. } => (team, Some(surface.is_slack_dm())),
             SurfaceId::Chat { tenant, .. } => {
                 let top = self.surfaces.key(&surface.top_level());
-                (tenant, top.and_then(|k| self.chat_kinds.get(&k)) == Some(&crate::surface::ChatKind::P2p))
+                let kind = top.and_then(|k| self.chat_kinds.get(&k));
+                (tenant, kind.map(|kind| *kind == crate::surface::ChatKind::P2p))
             }
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => return None,
         };
         let listed = config.lists.get(workspace).filter(|users| !users.is_empty())?;
+        let Some(direct) = direct else {
+            return Some(refuse(NotContactedReason::CouldNotVerify, None, None));
+        };
         let dm_member =
             if direct { self.surfaces.key(&surface.top_level()).and_then(|dm| self.dm_members.get(&dm)) } else { None };
         if let Some(user) = mentioned.iter().find(|user| listed.contains(*user)) {

@@ -605,3 +605,26 @@ fn a_chat_message_without_a_kind_is_recorded_but_not_journaled() {
     "#]],
     );
 }
+
+/// Do-not-contact in chats: given the tenant lists Uma, a send into ada's p2p chat with her is
+/// refused as listed, a send into the group chat is not (nobody is mentioned), and a chat the
+/// fold never saw cannot be verified (only observations say whether a chat is p2p).
+#[test]
+fn a_p2p_chat_with_a_listed_person_is_not_contacted() {
+    let lists: &[(&str, &[&str])] = &[(TENANT, &["ou_uma"])];
+    let mut log = TestLog::with(&[ada(), do_not_contact(lists), p2p("om_1", "hi ada"), group("om_2", "hello all")]);
+    let decided = |log: &TestLog, seq: u64| match log.verdict(seq) {
+        Verdict::Send(SendVerdict::NotContacted(refused)) => {
+            format!("not_contacted {} {}", refused.reason.as_str(), refused.user_id.as_deref().unwrap_or("-"))
+        }
+        Verdict::Send(_) => "decided by the hold".to_owned(),
+        other => panic!("not a send: {other:?}"),
+    };
+    let seq = log.fold(send_to_chat("p1", ""));
+    assert_eq!(decided(&log, seq), "not_contacted listed ou_uma");
+    let seq = log.fold(send_to_chat("g1", ""));
+    assert_eq!(decided(&log, seq), "decided by the hold");
+    // A chat the fold never saw a message of may be one-to-one: it cannot be checked.
+    let seq = log.fold(send_to_chat("p9", ""));
+    assert_eq!(decided(&log, seq), "not_contacted could_not_verify -");
+}
