@@ -15,7 +15,8 @@ use crate::surface::SurfaceId;
 /// verdict saying "not queued: queue full" (counted by analytics), rather than growing the
 /// queue without bound.
 pub const QUEUED_ITEMS_MAX: usize = 10_000;
-/// Settled item ids remembered per agent, for the duplicate check.
+/// Settles remembered per agent for the duplicate check: the newest this many (an item settled
+/// again counts again), each for [`SETTLED_REMEMBERED_NS`].
 pub const SETTLED_REMEMBERED_MAX: usize = 4_096;
 /// How long a settled item id stays a duplicate, in log time.
 pub const SETTLED_REMEMBERED_NS: i64 = 14 * 24 * 3600 * 1_000_000_000;
