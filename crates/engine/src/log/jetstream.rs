@@ -631,6 +631,12 @@ impl JetStreamLog {
             .collect()
     }
 
+    /// The stream's first and last seq, asked of the server now.
+    async fn stream_bounds(&self) -> LogResult<(u64, u64)> {
+        let info = self.stream.get_info().await.map_err(|e| classify("stream info", &e))?;
+        Ok((info.state.first_sequence, info.state.last_sequence))
+    }
+
     /// The stream's last seq, asked of the server now.
     async fn stream_last_seq(&self) -> LogResult<u64> {
         let info = self.stream.get_info().await.map_err(|e| classify("stream info", &e))?;
@@ -764,12 +770,20 @@ impl EventLog for JetStreamLog {
         if from_seq > to_seq {
             return Ok(stream::empty().boxed());
         }
-        let bound = to_seq.min(self.stream_last_seq().await?);
-        if from_seq > bound {
+        let (first_seq, last_seq) = self.stream_bounds().await?;
+        let bound = to_seq.min(last_seq);
+        if from_seq > bound || first_seq > bound {
             return Ok(stream::empty().boxed());
         }
+        // Without a filter every seq from the stream's first to `bound` is stored (the stream
+        // denies deletes; age only removes the oldest), so the read ends at `bound` and a
+        // consumer's pending count is not trusted: a consumer placed on a replica that is still
+        // catching up reports nothing pending for events that exist (seen on a cluster). It
+        // delivers them once its replica has them, or the read fails `Unavailable` on a stall —
+        // never a silently short read. With a filter, pending is the only way to know the end.
+        let unfiltered = filter_subject.is_empty();
         let (messages, pending) = self.consumer_source(filter_subject).create(from_seq).await?;
-        if pending == 0 {
+        if pending == 0 && !unfiltered {
             return Ok(stream::empty().boxed());
         }
         let reader = ConsumerReader { messages, next_seq: from_seq };
@@ -794,7 +808,7 @@ impl EventLog for JetStreamLog {
             match next {
                 Ok((record, _)) if record.seq > bound => None,
                 Ok((record, pending)) => {
-                    let done = record.seq >= bound || pending == 0;
+                    let done = record.seq >= bound || (pending == 0 && !unfiltered);
                     Some((Ok(record), (!done).then_some(reader)))
                 }
                 Err(e) => Some((Err(e), None)),
