@@ -344,3 +344,37 @@ fn log_tail(path: &Path) -> String {
         Err(e) => format!("(cannot read {}: {e})", path.display()),
     }
 }
+
+/// Seeded randomness for tests that must replay a failing seed: SplitMix64 (tiny, no dependency,
+/// the same on every platform).
+#[derive(Clone, Debug)]
+pub struct SeededRng(pub u64);
+
+impl SeededRng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// In `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    pub fn index(&mut self, n: usize) -> usize {
+        self.below(n as u64) as usize
+    }
+
+    /// True `p` times in 100.
+    pub fn percent(&mut self, p: u64) -> bool {
+        self.below(100) < p
+    }
+
+    /// One of `items` (not empty).
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.index(items.len())]
+    }
+}

@@ -119,27 +119,8 @@ fn p2p_chat(agent: usize) -> String {
 // ---------------------------------------------------------------------------------------------
 // Seeded randomness (SplitMix64: tiny, no dependency, the same on every platform).
 
-#[derive(Clone, Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn index(&mut self, n: usize) -> usize {
-        self.below(n as u64) as usize
-    }
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-}
+// Every case is a function of the seed.
+use anima_engine::testing::SeededRng as Rng;
 
 // ---------------------------------------------------------------------------------------------
 // Steps: plain data, a pure function of the seed, so any prefix can be rerun.

@@ -187,30 +187,8 @@ fn the_table_covers_every_served_rpc() {
 // ---------------------------------------------------------------------------------------------
 // Generating requests.
 
-/// SplitMix64: every case is a function of the seed and of what the server answered before.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn index(&mut self, n: usize) -> usize {
-        self.below(n as u64) as usize
-    }
-    fn percent(&mut self, p: u64) -> bool {
-        self.below(100) < p
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.index(items.len())]
-    }
-}
+// Every case is a function of the seed.
+use anima_engine::testing::SeededRng as Rng;
 
 /// A wake the server handed out, to start, heartbeat and finish.
 #[derive(Clone, Debug)]
@@ -295,7 +273,7 @@ impl Generator {
 
     fn uuid_v7(&mut self) -> String {
         let mut random = [0u8; 10];
-        random.iter_mut().for_each(|b| *b = self.rng.next() as u8);
+        random.iter_mut().for_each(|b| *b = self.rng.next_u64() as u8);
         let ms = (BASE_MS as u64) + self.fresh();
         uuid::Builder::from_unix_timestamp_millis(ms, &random).into_uuid().hyphenated().to_string()
     }
@@ -515,7 +493,7 @@ impl Generator {
                 string(&activity)
             }
             "memory_digest_before" | "memory_digest_after" => {
-                Some(Value::Bytes((0..32).map(|_| self.rng.next() as u8).collect()))
+                Some(Value::Bytes((0..32).map(|_| self.rng.next_u64() as u8).collect()))
             }
             "reason" => string("done"),
             "memory_md_bytes" => Some(Value::U64(self.rng.below(20_000))),
@@ -583,7 +561,7 @@ impl Generator {
                 Value::EnumNumber(if values.is_empty() { 0 } else { *self.rng.pick(&values) })
             }
             Kind::String => Value::String(format!("x{}", self.fresh())),
-            Kind::Bytes => Value::Bytes((0..32).map(|_| self.rng.next() as u8).collect()),
+            Kind::Bytes => Value::Bytes((0..32).map(|_| self.rng.next_u64() as u8).collect()),
             Kind::Bool => Value::Bool(self.rng.percent(50)),
             Kind::Int32 | Kind::Sint32 | Kind::Sfixed32 => Value::I32(self.rng.below(100) as i32),
             Kind::Int64 | Kind::Sint64 | Kind::Sfixed64 => Value::I64(self.rng.below(100) as i64),
@@ -653,7 +631,7 @@ impl Generator {
             Kind::String => Value::String(self.hostile_string()),
             Kind::Bytes => {
                 let n = *self.rng.pick(&[0, 1, 31, 33, 64, 4_096, 900_000]);
-                Value::Bytes((0..n).map(|_| self.rng.next() as u8).collect())
+                Value::Bytes((0..n).map(|_| self.rng.next_u64() as u8).collect())
             }
             Kind::Enum(_) => Value::EnumNumber(*self.rng.pick(&[-1, 4, 6, 99, i32::MAX, i32::MIN])),
             Kind::Bool => Value::Bool(self.rng.percent(50)),
@@ -729,7 +707,7 @@ fn corrupt(rng: &mut Rng, mut bytes: Vec<u8>) -> (Vec<u8>, &'static str) {
             (bytes, "truncated")
         }
         1 => {
-            bytes.extend((0..1 + rng.below(8)).map(|_| rng.next() as u8));
+            bytes.extend((0..1 + rng.below(8)).map(|_| rng.next_u64() as u8));
             (bytes, "garbage appended")
         }
         2 if !bytes.is_empty() => {
@@ -743,7 +721,7 @@ fn corrupt(rng: &mut Rng, mut bytes: Vec<u8>) -> (Vec<u8>, &'static str) {
             front.extend(bytes);
             (front, "wrong wire type")
         }
-        4 => ((0..rng.below(64)).map(|_| rng.next() as u8).collect(), "random bytes"),
+        4 => ((0..rng.below(64)).map(|_| rng.next_u64() as u8).collect(), "random bytes"),
         _ => {
             // Field 999, varint: unknown, so skipped.
             bytes.extend([0xB8, 0x3E, 0x01]);
