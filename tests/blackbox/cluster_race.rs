@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anima_engine::testing::{NatsCluster, CLUSTER_NODES};
+use anima_engine::testing::{poll_until, stream_view, NatsCluster};
 use anima_gateway::api;
 use tokio::time::Instant;
 
@@ -38,11 +38,6 @@ const RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// Bound on every wait: one request retried until answered, the cluster forming, an election,
 /// a node catching up. Each is seconds when things work; the bound turns a hang into a failure.
 const STEP_DEADLINE: Duration = Duration::from_secs(60);
-/// Timeout of the test's own stream-info requests: one sent to the node just killed must not
-/// hide for long how soon the others elected a leader.
-const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
-/// Pace of the test's polls of stream info.
-const POLL_PAUSE: Duration = Duration::from_millis(20);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
@@ -107,41 +102,6 @@ where
     }
 }
 
-/// Polls `check` until it gives a value, for at most [`STEP_DEADLINE`].
-async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut check: impl FnMut() -> F) -> T {
-    let deadline = Instant::now() + STEP_DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "{what}: not within {STEP_DEADLINE:?}");
-        tokio::time::sleep(POLL_PAUSE).await;
-    }
-}
-
-/// What stream info says now, asked of any node that answers.
-struct StreamView {
-    leader: String,
-    /// Both followers are current (caught up and online).
-    followers_current: bool,
-    last_seq: u64,
-    replicas: usize,
-}
-
-async fn stream_view(admin: &async_nats::jetstream::Context) -> Option<StreamView> {
-    let stream = admin.get_stream(STREAM).await.ok()?;
-    let info = stream.cached_info();
-    let cluster = info.cluster.as_ref()?;
-    let followers_current = cluster.replicas.len() == CLUSTER_NODES - 1
-        && cluster.replicas.iter().all(|peer| peer.current && !peer.offline);
-    Some(StreamView {
-        leader: cluster.leader.clone()?,
-        followers_current,
-        last_seq: info.state.last_sequence,
-        replicas: info.config.num_replicas,
-    })
-}
-
 /// One leader kill as the test saw it.
 struct Kill {
     leader: String,
@@ -159,14 +119,7 @@ struct Kill {
 async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() {
     let test_started = Instant::now();
     let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
-    let servers = anima_engine::log::jetstream::parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
-    let admin_client = async_nats::ConnectOptions::new()
-        .request_timeout(Some(ADMIN_TIMEOUT))
-        .ping_interval(ADMIN_TIMEOUT)
-        .connect(servers)
-        .await
-        .expect("admin connection");
-    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
+    let admin = cluster.admin().await;
     // JetStream elects its meta leader a few seconds after the nodes start, and places
     // replicated streams only once it knows every peer; until then an engine cannot create its
     // stream and refuses to start. A throwaway R3 stream shows when placement works.
@@ -188,7 +141,7 @@ async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() 
     let first = Server::start_on_nats_with(&cluster.urls(), options.clone());
     let second = Server::start_on_nats_with(&cluster.urls(), options);
     let view = poll_until("the stream has a leader and current followers", || async {
-        stream_view(&admin).await.filter(|view| view.followers_current)
+        stream_view(&admin, STREAM).await.filter(|view| view.followers_current)
     })
     .await;
     assert_eq!(view.replicas, 3, "--replicas 3 created an R3 stream");
@@ -267,18 +220,18 @@ async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() 
     for _ in 0..KILLS {
         let answered = progress.answered.load(Ordering::Relaxed);
         progress.wait_answered(answered, ANSWERS_PER_PHASE, "traffic before the kill").await;
-        let leader = poll_until("the stream leader is known", || stream_view(&admin)).await.leader;
+        let leader = poll_until("the stream leader is known", || stream_view(&admin, STREAM)).await.leader;
         let node = cluster.node_named(&leader).unwrap_or_else(|| panic!("leader {leader:?} is not a node"));
         tokio::task::block_in_place(|| cluster.node(node).kill());
         let killed_at = Instant::now();
         let elected = poll_until("a new stream leader is elected", || async {
-            stream_view(&admin).await.filter(|view| view.leader != leader)
+            stream_view(&admin, STREAM).await.filter(|view| view.leader != leader)
         })
         .await;
         let elected_at = Instant::now();
         let seq_at_election = elected.last_seq;
         poll_until("the log stores events again", || async {
-            stream_view(&admin).await.filter(|view| view.last_seq > seq_at_election)
+            stream_view(&admin, STREAM).await.filter(|view| view.last_seq > seq_at_election)
         })
         .await;
         let log_grew_at = Instant::now();
@@ -289,7 +242,7 @@ async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() 
         .await;
         tokio::task::block_in_place(|| cluster.node(node).resume());
         poll_until("the restarted node catches up", || async {
-            stream_view(&admin).await.filter(|view| view.followers_current)
+            stream_view(&admin, STREAM).await.filter(|view| view.followers_current)
         })
         .await;
         kills.push(Kill { leader, new_leader: elected.leader, seq_at_election, killed_at, elected_at, log_grew_at });

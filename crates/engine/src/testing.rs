@@ -378,3 +378,63 @@ impl SeededRng {
         &items[self.index(items.len())]
     }
 }
+
+/// Bound on every wait of a cluster test: the cluster forming, an election, a node catching up.
+/// Each is seconds when things work; the bound turns a hang into a failure.
+pub const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Timeout of a cluster test's own questions (stream info): short, so a question sent to the node
+/// just killed does not hide how soon the others elected a leader.
+const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Polls `check` every 20 ms until it gives a value, for at most [`CLUSTER_STEP_DEADLINE`].
+pub async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut check: impl FnMut() -> F) -> T {
+    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {CLUSTER_STEP_DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What stream info says of a replicated stream now, asked of any node that answers.
+#[derive(Clone, Debug)]
+pub struct StreamView {
+    pub leader: String,
+    /// Both followers are current (caught up and online).
+    pub followers_current: bool,
+    pub last_seq: u64,
+    pub replicas: usize,
+}
+
+/// The view of `stream`, or `None` while no node answers or the stream has no leader.
+pub async fn stream_view(admin: &async_nats::jetstream::Context, stream: &str) -> Option<StreamView> {
+    let stream = admin.get_stream(stream).await.ok()?;
+    let info = stream.cached_info();
+    let cluster = info.cluster.as_ref()?;
+    let followers_current = cluster.replicas.len() == CLUSTER_NODES - 1
+        && cluster.replicas.iter().all(|peer| peer.current && !peer.offline);
+    Some(StreamView {
+        leader: cluster.leader.clone()?,
+        followers_current,
+        last_seq: info.state.last_sequence,
+        replicas: info.config.num_replicas,
+    })
+}
+
+impl NatsCluster {
+    /// A JetStream context on the whole cluster for a test's own questions, with short timeouts
+    /// and pings.
+    pub async fn admin(&self) -> async_nats::jetstream::Context {
+        let servers = crate::log::jetstream::parse_servers(&self.urls()).expect("the fixture's URLs parse");
+        let client = async_nats::ConnectOptions::new()
+            .request_timeout(Some(ADMIN_TIMEOUT))
+            .ping_interval(ADMIN_TIMEOUT)
+            .connect(servers)
+            .await
+            .expect("admin connection");
+        async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(client)
+    }
+}

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anima_engine::log::jetstream::{parse_servers, JetStreamConfig, JetStreamLog};
+use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendRecord, EventLog, LogError, StoredRecord};
 use anima_engine::subject::{SubjectPrefix, Subjects};
-use anima_engine::testing::{NatsCluster, NatsServer, CLUSTER_NODES};
+use anima_engine::testing::{poll_until, stream_view, NatsCluster, NatsServer, CLUSTER_STEP_DEADLINE};
 use bytes::Bytes;
 use futures::StreamExt;
 
@@ -69,14 +69,9 @@ const FAILOVER_BATCH: usize = 1_000;
 /// The stream leader is killed once this many events were acknowledged, then once more for each
 /// further entry; the killed node comes back (same store) before the next kill.
 const KILL_AFTER_ACKNOWLEDGED: [usize; 3] = [10_000, 25_000, 40_000];
-/// Bound on every wait of the failover test: the cluster forming, an election, a node catching
-/// up. Each is seconds when things work; the bound turns a hang into a failure.
-const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
 /// Events the writer may run ahead of the test's next step, so appends are in flight at every
 /// kill whatever the machine's speed.
 const WRITER_SLACK_EVENTS: usize = 10_000;
-/// Timeout of the test's stream-info requests.
-const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
 /// Pause between two attempts of a batch that failed `Unavailable` (a connector's retry pace).
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
 
@@ -125,27 +120,21 @@ async fn write_through_failovers(
     written
 }
 
-/// The stream's leader and whether both followers are current, asked of any node that answers.
-async fn stream_cluster(admin: &async_nats::jetstream::Context) -> Option<(String, bool)> {
-    let stream = admin.get_stream("ANIMA").await.ok()?;
-    let info = stream.get_info().await.ok()?;
-    let cluster = info.cluster?;
-    let leader = cluster.leader?;
-    let current = cluster.replicas.len() == CLUSTER_NODES - 1
-        && cluster.replicas.iter().all(|peer| peer.current && !peer.offline);
-    Some((leader, current))
-}
-
-/// Polls `check` until it gives a value, for at most [`CLUSTER_STEP_DEADLINE`].
-async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut check: impl FnMut() -> F) -> T {
-    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
+/// The log on an R3 stream of the cluster. JetStream elects its meta leader a few seconds after
+/// the nodes start: until then creating the stream is unavailable.
+async fn connect_r3(cluster: &NatsCluster) -> JetStreamLog {
+    let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
+    poll_until("the R3 stream is created", || {
+        let config = config.clone();
+        async move {
+            match JetStreamLog::connect(config).await {
+                Ok(log) => Some(log),
+                Err(LogError::Unavailable(_)) => None,
+                Err(e) => panic!("connect to the cluster: {e}"),
+            }
         }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {CLUSTER_STEP_DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 /// Given a 3-node cluster and an R3 stream, when the stream leader is killed (SIGKILL) three
@@ -157,33 +146,11 @@ async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, m
 async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() {
     let test_started = tokio::time::Instant::now();
     let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
-    let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
-    // JetStream elects its meta leader a few seconds after the nodes start: until then creating
-    // the stream is unavailable.
-    let log = poll_until("the R3 stream is created", || {
-        let config = config.clone();
-        async move {
-            match JetStreamLog::connect(config).await {
-                Ok(log) => Some(log),
-                Err(LogError::Unavailable(_)) => None,
-                Err(e) => panic!("connect to the cluster: {e}"),
-            }
-        }
-    })
-    .await;
+    let log = connect_r3(&cluster).await;
     let log = Arc::new(log);
-    let servers = parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
-    // The test's own view of the cluster: short timeouts, so a question sent to the node just
-    // killed does not hide how soon the others elected a leader.
-    let admin_client = async_nats::ConnectOptions::new()
-        .request_timeout(Some(ADMIN_TIMEOUT))
-        .ping_interval(ADMIN_TIMEOUT)
-        .connect(servers)
-        .await
-        .expect("admin connection");
-    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
+    let admin = cluster.admin().await;
     poll_until("the stream has a leader and current followers", || async {
-        stream_cluster(&admin).await.filter(|(_, current)| *current)
+        stream_view(&admin, "ANIMA").await.filter(|view| view.followers_current)
     })
     .await;
 
@@ -198,16 +165,17 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
             .await
             .unwrap_or_else(|_| panic!("the writer did not reach {threshold} events"))
             .expect("the writer is running");
-        let (leader, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+        let leader = poll_until("the stream leader is known", || stream_view(&admin, "ANIMA")).await.leader;
         let node = cluster.node_named(&leader).unwrap_or_else(|| panic!("leader {leader:?} is not a node"));
         let acknowledged_at_kill = *progress.borrow();
         open_gate(acknowledged_at_kill + WRITER_SLACK_EVENTS);
         tokio::task::block_in_place(|| cluster.node(node).kill());
         let killed_at = tokio::time::Instant::now();
-        let (new_leader, _) = poll_until("a new stream leader is elected", || async {
-            stream_cluster(&admin).await.filter(|(name, _)| *name != leader)
+        let new_leader = poll_until("a new stream leader is elected", || async {
+            stream_view(&admin, "ANIMA").await.filter(|view| view.leader != leader)
         })
-        .await;
+        .await
+        .leader;
         let elected_at = tokio::time::Instant::now();
         // Appends go on with two nodes; then the killed one comes back and catches up.
         tokio::time::timeout(
@@ -219,21 +187,22 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
         .expect("the writer is running");
         tokio::task::block_in_place(|| cluster.node(node).resume());
         poll_until("the restarted node catches up", || async {
-            stream_cluster(&admin).await.filter(|(_, current)| *current)
+            stream_view(&admin, "ANIMA").await.filter(|view| view.followers_current)
         })
         .await;
         kills.push((leader, new_leader, acknowledged_at_kill, killed_at, elected_at));
     }
     // A leader asked to step down (the engine's remedy for a publish it keeps answering "in
     // process") hands the stream to another replica, and appends go on.
-    let (leader_before, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+    let leader_before = poll_until("the stream leader is known", || stream_view(&admin, "ANIMA")).await.leader;
     let acknowledged_at_step_down = *progress.borrow();
     open_gate(acknowledged_at_step_down + WRITER_SLACK_EVENTS);
     log.step_down_leader().await.expect("the stream leader is asked to step down");
-    let (leader_after, _) = poll_until("another leader after the step-down", || async {
-        stream_cluster(&admin).await.filter(|(name, current)| *name != leader_before && *current)
+    let leader_after = poll_until("another leader after the step-down", || async {
+        stream_view(&admin, "ANIMA").await.filter(|view| view.leader != leader_before && view.followers_current)
     })
-    .await;
+    .await
+    .leader;
     tokio::time::timeout(
         CLUSTER_STEP_DEADLINE,
         progress.wait_for(|acknowledged| *acknowledged >= acknowledged_at_step_down + FAILOVER_BATCH),
@@ -342,27 +311,10 @@ async fn only_consumer(admin: &async_nats::jetstream::Context) -> (String, Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follow_whose_consumer_dies_with_its_node_delivers_what_is_appended_after() {
     let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
-    let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
-    let log = poll_until("the R3 stream is created", || {
-        let config = config.clone();
-        async move {
-            match JetStreamLog::connect(config).await {
-                Ok(log) => Some(log),
-                Err(LogError::Unavailable(_)) => None,
-                Err(e) => panic!("connect to the cluster: {e}"),
-            }
-        }
-    })
-    .await;
-    let servers = parse_servers(&cluster.urls()).expect("the fixture's URLs parse");
-    let admin_client = async_nats::ConnectOptions::new()
-        .request_timeout(Some(ADMIN_TIMEOUT))
-        .connect(servers)
-        .await
-        .expect("admin connection");
-    let admin = async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(admin_client);
+    let log = connect_r3(&cluster).await;
+    let admin = cluster.admin().await;
     poll_until("the stream has a leader and current followers", || async {
-        stream_cluster(&admin).await.filter(|(_, current)| *current)
+        stream_view(&admin, "ANIMA").await.filter(|view| view.followers_current)
     })
     .await;
     log.append(record("before-the-kill")).await.expect("append");
@@ -376,7 +328,7 @@ async fn a_follow_whose_consumer_dies_with_its_node_delivers_what_is_appended_af
         let first = tokio::time::timeout(CLUSTER_STEP_DEADLINE, follow.next()).await.expect("a first record");
         assert_eq!(first.expect("live").expect("record").seq, 1);
         let (node, consumer) = only_consumer(&admin).await;
-        let (leader, _) = poll_until("the stream leader is known", || stream_cluster(&admin)).await;
+        let leader = poll_until("the stream leader is known", || stream_view(&admin, "ANIMA")).await.leader;
         if node != leader && node != log.connected_server() {
             placement = Some((follow, node));
             break;
