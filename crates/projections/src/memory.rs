@@ -283,6 +283,14 @@ pub struct PassPlanEntry {
     pub gate: MemoryGate,
 }
 
+impl PassPlanEntry {
+    /// A due, eligible pass that a place under `maxConcurrent` is left for: it would be queued.
+    fn admit(&mut self) {
+        self.status = PassStatus::Due;
+        self.why = format!("due since {} and history is newer than the last outcome", self.due_label);
+    }
+}
+
 /// A dry run of the scheduler at an instant.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryPlan {
@@ -520,8 +528,7 @@ impl State {
         if entry.status == PassStatus::WaitingForLimit {
             let open = self.memory_open.len() as u32;
             if open < config.max_concurrent {
-                entry.status = PassStatus::Due;
-                entry.why = format!("due since {} and history is newer than the last outcome", entry.due_label);
+                entry.admit();
             } else {
                 entry.why = format!(
                     "due since {}, but {open} passes are open (maxConcurrent {})",
@@ -648,8 +655,7 @@ impl PlanFacts {
         for entry in entries.iter_mut().filter(|e| e.status == PassStatus::WaitingForLimit) {
             if free > 0 {
                 free -= 1;
-                entry.status = PassStatus::Due;
-                entry.why = format!("due since {} and history is newer than the last outcome", entry.due_label);
+                entry.admit();
             } else {
                 entry.why = format!(
                     "due since {}, but {open} passes are open and earlier slots take the rest of maxConcurrent {}",
