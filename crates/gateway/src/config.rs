@@ -424,16 +424,9 @@ impl Config {
         Ok(())
     }
 
-    /// The do-not-contact lists, checked; the error names the key (`doNotContact.<workspace>`).
+    /// The do-not-contact lists, checked; the error names the workspace and the entry.
     pub fn do_not_contact_config(&self) -> anyhow::Result<anima_projections::do_not_contact::DoNotContact> {
         use anima_projections::proto::{DoNotContactConfigured, DoNotContactList};
-        for (workspace, users) in &self.do_not_contact {
-            let single = DoNotContactConfigured {
-                lists: vec![DoNotContactList { workspace_id: workspace.clone(), user_ids: users.clone() }],
-            };
-            anima_projections::do_not_contact::DoNotContact::from_proto(&single)
-                .map_err(|e| anyhow::anyhow!("doNotContact.{}: {e}", anima_engine::validate::echo(workspace)))?;
-        }
         let lists = self
             .do_not_contact
             .iter()
@@ -572,10 +565,10 @@ mod tests {
     #[test]
     fn do_not_contact_lists_are_checked_and_errors_name_the_workspace() {
         check("[doNotContact]\nT1 = [\"U1\", \"U2\"]\nT2 = []", Ok(()));
-        check("[doNotContact]\nT1 = [\"\"]", Err("doNotContact.\"T1\": workspace T1: entry 0 is empty"));
-        check("[doNotContact]\nT1 = [\"U 1\"]", Err("doNotContact.\"T1\": workspace T1: entry 0 contains whitespace"));
+        check("[doNotContact]\nT1 = [\"\"]", Err("doNotContact: workspace T1: entry 0 is empty"));
+        check("[doNotContact]\nT1 = [\"U 1\"]", Err("doNotContact: workspace T1: entry 0 contains whitespace"));
         let long = format!("[doNotContact]\nT1 = [\"{}\"]", "U".repeat(97));
-        check(&long, Err("doNotContact.\"T1\": workspace T1: entry 0 is 97 bytes"));
+        check(&long, Err("doNotContact: workspace T1: entry 0 is 97 bytes"));
     }
 
     #[test]

@@ -405,25 +405,24 @@ impl api::sends_server::Sends for Services {
         };
         let decision = self.engine.send(send, &request.request_id).await.map_err(status)?;
         self.metrics.send_decided(&decision.verdict);
-        let verdict = match decision.verdict {
-            SendVerdict::Allowed { .. } if decision.already_posted.is_some() => {
-                let posted = decision.already_posted.unwrap_or_else(|| unreachable!("checked by the guard"));
-                api::send_response::Verdict::AlreadyPosted(api::SendAlreadyPosted {
-                    ts: posted.ts,
-                    confirmed_at_seq: posted.confirmed_seq,
-                })
-            }
-            SendVerdict::Allowed { .. } => api::send_response::Verdict::Allowed(api::SendAllowed {}),
-            SendVerdict::Held(held) => api::send_response::Verdict::Held(api::SendHeld {
+        let verdict = match (decision.verdict, decision.already_posted) {
+            (_, Some(posted)) => api::send_response::Verdict::AlreadyPosted(api::SendAlreadyPosted {
+                ts: posted.ts,
+                confirmed_at_seq: posted.confirmed_seq,
+            }),
+            (SendVerdict::Allowed { .. }, None) => api::send_response::Verdict::Allowed(api::SendAllowed {}),
+            (SendVerdict::Held(held), None) => api::send_response::Verdict::Held(api::SendHeld {
                 new_messages: u32::try_from(held.new_messages).unwrap_or(u32::MAX),
                 shown: held.shown.len() as u32,
                 omitted: u32::try_from(held.omitted).unwrap_or(u32::MAX),
                 notice: decision.notice.unwrap_or_default(),
             }),
-            SendVerdict::NotContacted(refused) => api::send_response::Verdict::NotContacted(api::SendNotContacted {
-                reason: refused.reason.as_str().to_owned(),
-                user_id: refused.user_id.unwrap_or_default(),
-            }),
+            (SendVerdict::NotContacted(refused), None) => {
+                api::send_response::Verdict::NotContacted(api::SendNotContacted {
+                    reason: refused.reason.as_str().to_owned(),
+                    user_id: refused.user_id.unwrap_or_default(),
+                })
+            }
         };
         Ok(Response::new(api::SendResponse { decided_at_seq: decision.seq, verdict: Some(verdict) }))
     }
