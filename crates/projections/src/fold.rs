@@ -312,11 +312,12 @@ impl State {
             is_bot,
             identity,
         } = incoming;
+        let surface_key = self.surfaces.intern(&surface);
         if direct && !is_bot && owner.is_none() {
-            let dm = self.surfaces.intern(&surface.top_level());
+            let dm =
+                if surface.thread_ts().is_none() { surface_key } else { self.surfaces.intern(&surface.top_level()) };
             self.note_dm_member(dm, user_id);
         }
-        let surface_key = self.surfaces.intern(&surface);
         let existing = self.identity_ordinal(surface_key, id);
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
         let row = row_meta(at, ordinal, id, ts_seconds, user_id, bot_id, owner, &body);
