@@ -287,7 +287,7 @@ pub fn state_at_response(
     let state = &rebuilt.state;
     let tail_of = |surface: &SurfaceId| state.journal(surface).map_or(0, |j| j.tail);
     let agent = agent.map(|agent| {
-        let record = state.agents.get(&agent.to_owned());
+        let record = state.agents.get(agent);
         let queue = state.queue(agent);
         api::ReplayAgentState {
             agent_id: agent.to_owned(),
@@ -306,7 +306,7 @@ pub fn state_at_response(
                     tail: tail_of(surface),
                 })
                 .collect(),
-            queued: queue.map(|q| q.queued().iter().map(wake_item).collect()).unwrap_or_default(),
+            queued: queue.map(|q| q.queued().map(wake_item).collect()).unwrap_or_default(),
             active: queue.and_then(|q| q.active.as_ref()).map(|active| api::ReplayActiveWake {
                 item: Some(wake_item(&active.item)),
                 worker_id: active.worker.clone(),

@@ -236,8 +236,8 @@ impl api::ingest_server::Ingest for Services {
 fn wake_signal(engine: &Engine, agent: &str) -> api::WatchResponse {
     let state = engine.projection().state();
     let queue = state.queue(agent);
-    let queued = queue.map_or(0, |q| q.queued().len());
-    let claimable = queue.is_some_and(|q| q.active.is_none() && !q.queued().is_empty());
+    let queued = queue.map_or(0, |q| q.queued_len());
+    let claimable = queue.is_some_and(|q| q.active.is_none() && !q.nothing_queued());
     api::WatchResponse {
         agent_id: agent.to_owned(),
         queued: u32::try_from(queued).unwrap_or(u32::MAX),

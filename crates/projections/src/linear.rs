@@ -185,15 +185,12 @@ impl State {
             received.stopped_seq.get_or_insert(at.seq);
         }
         let of_session = |item: &WakeItem| item.linear.as_ref().is_some_and(|l| l.session_id == session_id);
-        let mut removed = Vec::new();
-        if let Some(queue) = self.queues.get(&agent.to_owned()) {
-            removed = queue.queued().iter().filter(|i| of_session(i)).map(|i| i.id.clone()).collect();
-        }
-        if !removed.is_empty() {
-            if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-                queue.retain(|i| !of_session(i));
-            }
-        }
+        // Only a queue that holds some of the session's items is touched (and so checkpointed).
+        let touched = self.queues.get(agent).is_some_and(|q| q.queued().any(of_session));
+        let removed = match self.queues.get_mut(agent) {
+            Some(queue) if touched => queue.retain(|i| !of_session(i)),
+            _ => Vec::new(),
+        };
         Verdict::LinearSession(LinearSessionVerdict {
             agent: agent.to_owned(),
             session: session_id.to_owned(),

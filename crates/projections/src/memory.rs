@@ -321,7 +321,7 @@ impl State {
     }
 
     pub fn memory_gate(&self, agent: &str) -> MemoryGate {
-        self.memory_gates.get(&agent.to_owned()).cloned().unwrap_or_default()
+        self.memory_gates.get(agent).cloned().unwrap_or_default()
     }
 
     pub(crate) fn configure_memory(&mut self, event: &proto::MemoryCoherenceConfigured) -> Verdict {
@@ -336,7 +336,7 @@ impl State {
 
     /// Records a history entry for the agent's gate.
     pub(crate) fn note_memory_history(&mut self, at: LogPosition, agent: &str) {
-        self.memory_gates.entry_or_default(agent.to_owned()).newest_history_seq = at.seq;
+        self.memory_gates.entry_or_default_by(agent).newest_history_seq = at.seq;
     }
 
     /// The memory pass the agent's active (claimed or running) wake is, if it is one. A memory
@@ -383,7 +383,7 @@ impl State {
                 format!("{open} memory passes are queued or running; maxConcurrent is {}", config.max_concurrent),
             );
         }
-        if self.queue(agent).is_some_and(|q| q.queued().len() >= QUEUED_ITEMS_MAX) {
+        if self.queue(agent).is_some_and(|q| q.queued_len() >= QUEUED_ITEMS_MAX) {
             return refused(RefusalKind::Aborted, "the agent's wake queue is full");
         }
         let window_day = due.local_date_label();
@@ -414,8 +414,8 @@ impl State {
                 slot_label: calendar.local_label(due.slot),
             }),
         };
-        self.queues.entry_or_default(agent.to_owned()).push_back(item);
-        self.memory_gates.entry_or_default(agent.to_owned()).last_window_day = window_day.clone();
+        self.queues.entry_or_default_by(agent).push_back(item);
+        self.memory_gates.entry_or_default_by(agent).last_window_day = window_day.clone();
         self.memory_open.insert(
             due.pass_id.clone(),
             OpenPass {
@@ -431,7 +431,7 @@ impl State {
 
     /// A pass's start was accepted: remember when, for its outcome's delay.
     pub(crate) fn note_memory_pass_started(&mut self, at: LogPosition, pass_id: &str) {
-        if let Some(open) = self.memory_open.get_mut(&pass_id.to_owned()) {
+        if let Some(open) = self.memory_open.get_mut(pass_id) {
             open.started_at_ns.get_or_insert(at.at_ns);
         }
     }
@@ -467,7 +467,7 @@ impl State {
             outcome,
             reason: if outcome == MemoryOutcome::Failed { clip(&request.reason) } else { String::new() },
         };
-        let gate = self.memory_gates.entry_or_default(agent.to_owned());
+        let gate = self.memory_gates.entry_or_default_by(agent);
         gate.newest_outcome_seq = at.seq;
         gate.last_outcome = Some(record.clone());
         record
@@ -505,7 +505,7 @@ impl State {
     fn agent_pass_facts(&self, agent: &str) -> AgentPassFacts {
         AgentPassFacts {
             agent: agent.to_owned(),
-            registered: self.agents.contains_key(&agent.to_owned()),
+            registered: self.agents.contains_key(agent),
             // One open pass per agent: `memory_open` holds at most maxConcurrent passes, so
             // the scan is short.
             open_pass: self.memory_open.iter().map(|(_, open_pass)| open_pass).find(|p| p.agent == agent).cloned(),
@@ -520,7 +520,7 @@ impl State {
     pub fn memory_status(&self, agent: &str, as_of_ns: i64) -> Option<PassPlanEntry> {
         let config = self.memory_config();
         let scoped = config.scope_agent_ids.binary_search_by(|id| id.as_str().cmp(agent)).is_ok();
-        if !self.agents.contains_key(&agent.to_owned()) && !scoped {
+        if !self.agents.contains_key(agent) && !scoped {
             return None;
         }
         let calendar = config.calendar().ok();

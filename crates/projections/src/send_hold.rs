@@ -36,7 +36,7 @@ impl State {
     /// Records that the send `send_event_id` was posted as `ts`; the first confirmation naming a
     /// send wins (a second post of one allowed send is the runtime's mistake, not a new fact).
     pub(crate) fn note_posted_send(&mut self, at: LogPosition, send_event_id: &str, posted: PostedSend) {
-        if send_event_id.is_empty() || self.posted_sends.contains_key(&send_event_id.to_owned()) {
+        if send_event_id.is_empty() || self.posted_sends.contains_key(send_event_id) {
             return;
         }
         self.posted_sends.insert(send_event_id.to_owned(), PostedSend { confirmed_seq: at.seq, ..posted });
@@ -50,7 +50,7 @@ impl State {
 
     /// The post confirmed for the send with this event id, if one was (within the bound).
     pub fn posted_send(&self, send_event_id: &str) -> Option<&PostedSend> {
-        self.posted_sends.get(&send_event_id.to_owned())
+        self.posted_sends.get(send_event_id)
     }
 
     pub(crate) fn decide_send(&mut self, _at: LogPosition, request: &proto::SendRequested) -> Verdict {

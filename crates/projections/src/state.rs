@@ -288,7 +288,7 @@ macro_rules! state_tables {
                 for (agent, queue) in self.queues.iter() {
                     out.extend(encode(agent));
                     out.extend(encode(&queue.header()));
-                    out.extend(encode(&(queue.queued().len() as u64)));
+                    out.extend(encode(&(queue.queued_len() as u64)));
                     for (slot, item) in queue.slotted() {
                         out.extend(encode(&slot));
                         out.extend(encode(item));
@@ -457,7 +457,7 @@ impl State {
     }
 
     pub fn queue(&self, agent: &str) -> Option<&AgentQueue> {
-        self.queues.get(&agent.to_owned())
+        self.queues.get(agent)
     }
 
     /// Whether the surface is a direct conversation (a Slack DM, or a thread or the top level of
@@ -504,7 +504,7 @@ impl State {
     /// The state's own estimate of the memory it takes: entries counted by table, with a rough
     /// size each. The runner compares it with its budget to decide when cold entries leave.
     pub fn memory_estimate_bytes(&self) -> usize {
-        let queued: usize = self.queues.iter().map(|(_, queue)| queue.queued().len() + 1).sum();
+        let queued: usize = self.queues.iter().map(|(_, queue)| queue.queued_len() + 1).sum();
         let hot_entries = self.agents.len()
             + self.slack_identities.len()
             + self.journals.len()

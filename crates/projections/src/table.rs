@@ -2,6 +2,7 @@
 //! runner writes only changed keys. Ordered maps only: iteration order is part of the canonical
 //! state encoding.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,21 +18,47 @@ impl<K: Ord + Clone, V> Default for Table<K, V> {
 }
 
 impl<K: Ord + Clone, V> Table<K, V> {
-    pub fn get(&self, key: &K) -> Option<&V> {
+    /// Lookups take the key borrowed (`&str` for a `String` key): no key is built to look.
+    pub fn get<Q: Ord + ?Sized>(&self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+    {
         self.map.get(key)
     }
 
-    pub fn contains_key(&self, key: &K) -> bool {
+    pub fn contains_key<Q: Ord + ?Sized>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+    {
         self.map.contains_key(key)
     }
 
     /// Mutable access; marks the key changed.
-    pub fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+    pub fn get_mut<Q: Ord + ToOwned<Owned = K> + ?Sized>(&mut self, key: &Q) -> Option<&mut V>
+    where
+        K: Borrow<Q>,
+    {
         let value = self.map.get_mut(key)?;
         if !self.dirty.contains(key) {
-            self.dirty.insert(key.clone());
+            self.dirty.insert(key.to_owned());
         }
         Some(value)
+    }
+
+    /// Mutable access, inserting `V::default()` when absent; marks the key changed. The key is
+    /// built only when it is not marked yet or not present.
+    pub fn entry_or_default_by<Q: Ord + ToOwned<Owned = K> + ?Sized>(&mut self, key: &Q) -> &mut V
+    where
+        K: Borrow<Q>,
+        V: Default,
+    {
+        if !self.dirty.contains(key) {
+            self.dirty.insert(key.to_owned());
+        }
+        if !self.map.contains_key(key) {
+            self.map.insert(key.to_owned(), V::default());
+        }
+        self.map.get_mut(key).expect("inserted above")
     }
 
     /// Mutable access, inserting `V::default()` when absent; marks the key changed.

@@ -39,15 +39,12 @@ impl State {
         // the thread's parent is triggered on the top level and replies in the thread).
         let of_thread = |item: &WakeItem| item.trigger_surface == thread || item.reply_to == thread;
         let key = stop.receiving_agent_id.clone();
-        let removed: Vec<String> = match self.queues.get(&key) {
-            Some(queue) => queue.queued().iter().filter(|i| of_thread(i)).map(|i| i.id.clone()).collect(),
-            None => Vec::new(),
+        // Only a queue that holds some of the thread's items is touched (and so checkpointed).
+        let touched = self.queues.get(&key).is_some_and(|q| q.queued().any(of_thread));
+        let removed = match self.queues.get_mut(&key) {
+            Some(queue) if touched => queue.retain(|i| !of_thread(i)),
+            _ => Vec::new(),
         };
-        if !removed.is_empty() {
-            if let Some(queue) = self.queues.get_mut(&key) {
-                queue.retain(|i| !of_thread(i));
-            }
-        }
         Verdict::ThreadStopped(ThreadStopVerdict { agent: key, surface: thread, removed })
     }
 }

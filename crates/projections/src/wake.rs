@@ -1,7 +1,7 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
 
 use serde::{Deserialize, Serialize};
@@ -170,14 +170,18 @@ pub fn claim_lease_ns(claim_lease_seconds: u32) -> i64 {
 /// One agent's queue. It is checkpointed as a small header (the active wake and counters) plus
 /// one entry per queued item keyed by its slot, so queuing or taking one item writes that item,
 /// never the whole queue (a queue holds up to [`QUEUED_ITEMS_MAX`] items).
+///
+/// Items are held by slot, and slots ascend in queue order, so the queue is a map from slot to
+/// item: taking an item anywhere in it moves no other. Two derived indexes serve the per-event
+/// questions without a scan: the slot of each queued id (the duplicate check of every new wake,
+/// a claim naming its item) and, per trigger surface, the queued items by trigger ordinal (what
+/// the cursors of an accepted start cover).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AgentQueue {
-    /// Waiting items in queue order; changed only through the methods below, which keep
-    /// `slots`, `queued_ids` and `coverage` in step.
-    queued: VecDeque<WakeItem>,
-    /// The checkpoint slot of each queued item, ascending (items queued at the back take slots
-    /// above the middle of the range, items put back at the front slots below it).
-    slots: VecDeque<u64>,
+    /// Waiting items by slot (queue order); changed only through the methods below, which keep
+    /// the indexes in step. Items queued at the back take slots above the middle of the range,
+    /// items put back at the front slots below it.
+    items: BTreeMap<u64, WakeItem>,
     pub active: Option<ActiveWake>,
     /// How many settles are remembered for this agent (at most [`SETTLED_REMEMBERED_MAX`]).
     pub settled_remembered: u32,
@@ -188,13 +192,13 @@ pub struct AgentQueue {
     front_taken: u64,
     /// Slots whose item changed (queued or taken) since the last checkpoint.
     changed_slots: BTreeSet<u64>,
-    /// The ids in `queued`, for the duplicate check of every new wake. Derived: rebuilt when a
-    /// checkpoint loads; only looked up, never iterated.
-    queued_ids: HashSet<String>,
-    /// What the coalescing of every accepted start looks at, per queued item in queue order:
-    /// scanning these small entries instead of the items keeps that scan in cache. Derived like
-    /// `queued_ids`.
-    coverage: VecDeque<Coverage>,
+    /// The slot of each id in `items`. Derived: rebuilt when a checkpoint loads; only looked up,
+    /// never iterated.
+    queued_ids: HashMap<String, u64>,
+    /// Per trigger surface (a fingerprint; the surface itself is compared on a match), the
+    /// queued items a start may settle — those not resuming after a restart — as (trigger
+    /// ordinal, slot). Derived like `queued_ids`; looked up by fingerprint, ranges in order.
+    coverage: HashMap<u64, BTreeSet<(u64, u64)>>,
 }
 
 /// The checkpointed part of an [`AgentQueue`] besides its items.
@@ -210,26 +214,6 @@ pub struct QueueHeader {
 /// The middle of the slot range: the first slot at the back.
 const SLOT_MIDDLE: u64 = 1 << 63;
 
-/// Whether a start's cursors cover a queued item: its trigger surface (a fingerprint first, the
-/// surface itself on a match), its trigger ordinal, and whether it resumes after a restart
-/// (never settled without a turn).
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Coverage {
-    surface_fingerprint: u64,
-    trigger_ordinal: u64,
-    resume_after_restart: bool,
-}
-
-impl Coverage {
-    fn of(item: &WakeItem) -> Self {
-        Coverage {
-            surface_fingerprint: surface_fingerprint(&item.trigger_surface),
-            trigger_ordinal: item.trigger.ordinal,
-            resume_after_restart: item.resume_after_restart,
-        }
-    }
-}
-
 /// A hash of a surface with fixed keys. Only compared in memory, never persisted.
 fn surface_fingerprint(surface: &SurfaceId) -> u64 {
     let mut hasher = std::hash::DefaultHasher::new();
@@ -240,68 +224,86 @@ fn surface_fingerprint(surface: &SurfaceId) -> u64 {
 impl AgentQueue {
     /// Whether `item_id` is queued or active.
     pub fn holds(&self, item_id: &str) -> bool {
-        self.queued_ids.contains(item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
+        self.queued_ids.contains_key(item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
     }
 
     /// The waiting items, in queue order.
-    pub fn queued(&self) -> &VecDeque<WakeItem> {
-        &self.queued
+    pub fn queued(&self) -> std::collections::btree_map::Values<'_, u64, WakeItem> {
+        self.items.values()
+    }
+
+    /// How many items wait.
+    pub fn queued_len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether no item waits.
+    pub fn nothing_queued(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// The slot of the first waiting item.
+    pub(crate) fn first_slot(&self) -> Option<u64> {
+        self.items.keys().next().copied()
+    }
+
+    /// The slot of the waiting item `item_id`.
+    pub(crate) fn slot_of(&self, item_id: &str) -> Option<u64> {
+        self.queued_ids.get(item_id).copied()
+    }
+
+    /// The waiting item in `slot`.
+    pub(crate) fn item(&self, slot: u64) -> Option<&WakeItem> {
+        self.items.get(&slot)
+    }
+
+    fn insert(&mut self, slot: u64, item: WakeItem) {
+        self.queued_ids.insert(item.id.clone(), slot);
+        if !item.resume_after_restart {
+            self.coverage
+                .entry(surface_fingerprint(&item.trigger_surface))
+                .or_default()
+                .insert((item.trigger.ordinal, slot));
+        }
+        let replaced = self.items.insert(slot, item);
+        debug_assert!(replaced.is_none(), "a slot holds one item");
     }
 
     pub(crate) fn push_back(&mut self, item: WakeItem) {
         let slot = SLOT_MIDDLE + self.back_taken;
         self.back_taken += 1;
         self.changed_slots.insert(slot);
-        self.slots.push_back(slot);
-        self.queued_ids.insert(item.id.clone());
-        self.coverage.push_back(Coverage::of(&item));
-        self.queued.push_back(item);
+        self.insert(slot, item);
     }
 
     pub(crate) fn push_front(&mut self, item: WakeItem) {
         let slot = SLOT_MIDDLE - 1 - self.front_taken;
         self.front_taken += 1;
         self.changed_slots.insert(slot);
-        self.slots.push_front(slot);
-        self.queued_ids.insert(item.id.clone());
-        self.coverage.push_front(Coverage::of(&item));
-        self.queued.push_front(item);
+        self.insert(slot, item);
     }
 
-    pub(crate) fn remove(&mut self, index: usize) -> Option<WakeItem> {
-        let item = self.queued.remove(index)?;
-        let slot = self.slots.remove(index).expect("a slot per item");
+    /// Takes the item in `slot` out of the queue.
+    pub(crate) fn remove(&mut self, slot: u64) -> Option<WakeItem> {
+        let item = self.items.remove(&slot)?;
         self.changed_slots.insert(slot);
-        self.coverage.remove(index);
         self.queued_ids.remove(&item.id);
+        if !item.resume_after_restart {
+            let fingerprint = surface_fingerprint(&item.trigger_surface);
+            if let Some(entries) = self.coverage.get_mut(&fingerprint) {
+                entries.remove(&(item.trigger.ordinal, slot));
+                if entries.is_empty() {
+                    self.coverage.remove(&fingerprint);
+                }
+            }
+        }
         Some(item)
     }
 
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&WakeItem) -> bool) {
-        let kept: Vec<bool> = self.queued.iter().map(&mut keep).collect();
-        let mut position = 0;
-        self.coverage.retain(|_| {
-            position += 1;
-            kept[position - 1]
-        });
-        let changed = &mut self.changed_slots;
-        let mut position = 0;
-        self.slots.retain(|slot| {
-            position += 1;
-            if !kept[position - 1] {
-                changed.insert(*slot);
-            }
-            kept[position - 1]
-        });
-        let queued_ids = &mut self.queued_ids;
-        let mut position = 0;
-        self.queued.retain(|item| {
-            position += 1;
-            if !kept[position - 1] {
-                queued_ids.remove(&item.id);
-            }
-            kept[position - 1]
-        });
+    /// Keeps the items `keep` accepts; returns the ids of the others, in queue order.
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&WakeItem) -> bool) -> Vec<String> {
+        let dropped: Vec<u64> = self.items.iter().filter(|(_, item)| !keep(item)).map(|(slot, _)| *slot).collect();
+        dropped.into_iter().filter_map(|slot| self.remove(slot)).map(|item| item.id).collect()
     }
 
     /// The checkpointed header.
@@ -326,28 +328,18 @@ impl AgentQueue {
 
     /// Loads one queued item from a checkpoint, in slot order whatever order they come in.
     pub fn load_item(&mut self, slot: u64, item: WakeItem) {
-        let index = self.slots.partition_point(|s| *s < slot);
-        self.queued_ids.insert(item.id.clone());
-        self.coverage.insert(index, Coverage::of(&item));
-        self.slots.insert(index, slot);
-        self.queued.insert(index, item);
+        self.insert(slot, item);
     }
 
     /// Queued items by slot, in queue order (the canonical encoding).
     pub fn slotted(&self) -> impl Iterator<Item = (u64, &WakeItem)> {
-        self.slots.iter().copied().zip(self.queued.iter())
+        self.items.iter().map(|(slot, item)| (*slot, item))
     }
 
     /// Items changed since the last call, by slot (`None`: taken from the queue).
     pub fn drain_item_changes(&mut self) -> Vec<(u64, Option<&WakeItem>)> {
         let changed = std::mem::take(&mut self.changed_slots);
-        changed
-            .into_iter()
-            .map(|slot| {
-                let item = self.slots.binary_search(&slot).ok().map(|index| &self.queued[index]);
-                (slot, item)
-            })
-            .collect()
+        changed.into_iter().map(|slot| (slot, self.items.get(&slot))).collect()
     }
 
     /// Items changed and not yet checkpointed.
@@ -355,24 +347,23 @@ impl AgentQueue {
         self.changed_slots.len()
     }
 
-    /// Positions of the queued items that `moved` cursors cover, in queue order: not resuming
-    /// after a restart, and a moved cursor of their trigger surface at or past their trigger.
-    fn covered_positions(&self, moved: &[(&SurfaceId, u64)]) -> Vec<usize> {
-        let moved: Vec<(u64, &SurfaceId, u64)> =
-            moved.iter().map(|(surface, cursor)| (surface_fingerprint(surface), *surface, *cursor)).collect();
-        self.coverage
-            .iter()
-            .enumerate()
-            .filter(|(position, coverage)| {
-                !coverage.resume_after_restart
-                    && moved.iter().any(|(fingerprint, surface, cursor)| {
-                        coverage.surface_fingerprint == *fingerprint
-                            && *cursor >= coverage.trigger_ordinal
-                            && **surface == self.queued[*position].trigger_surface
-                    })
-            })
-            .map(|(position, _)| position)
-            .collect()
+    /// Slots of the queued items that `moved` cursors cover, in queue order: not resuming after
+    /// a restart, and a moved cursor of their trigger surface at or past their trigger. Looks
+    /// only at the items of the moved surfaces up to each cursor.
+    fn covered_slots(&self, moved: &[(&SurfaceId, u64)]) -> Vec<u64> {
+        let mut slots = Vec::new();
+        for (surface, cursor) in moved {
+            let Some(entries) = self.coverage.get(&surface_fingerprint(surface)) else { continue };
+            slots.extend(
+                entries
+                    .range(..=(*cursor, u64::MAX))
+                    .map(|(_, slot)| *slot)
+                    .filter(|slot| self.items.get(slot).is_some_and(|item| item.trigger_surface == **surface)),
+            );
+        }
+        slots.sort_unstable();
+        slots.dedup();
+        slots
     }
 }
 
@@ -416,19 +407,19 @@ impl State {
                 return Err(NotQueued::Duplicate);
             }
         }
-        let queue = self.queues.entry_or_default(agent.to_owned());
+        let queue = self.queues.entry_or_default_by(agent);
         if queue.holds(&item.id) {
             return Err(NotQueued::Duplicate);
         }
-        if queue.queued.len() >= QUEUED_ITEMS_MAX {
+        if queue.queued_len() >= QUEUED_ITEMS_MAX {
             return Err(NotQueued::QueueFull);
         }
         let mut item = item;
         let reason = item.reason;
         item.note = self.count_follow_wake(at, agent, reason, &item.trigger_surface);
-        let queue = self.queues.entry_or_default(agent.to_owned());
+        let queue = self.queues.entry_or_default_by(agent);
         queue.push_back(item);
-        debug_assert!(queue.queued.len() <= QUEUED_ITEMS_MAX, "a queue never grows beyond its bound");
+        debug_assert!(queue.queued_len() <= QUEUED_ITEMS_MAX, "a queue never grows beyond its bound");
         self.note_memory_history(at, agent);
         Ok(reason)
     }
@@ -439,7 +430,7 @@ impl State {
     /// entry that wrote it (an id settled again later keeps its newer entry).
     fn remember_settled(&mut self, at: LogPosition, agent: &str, item_id: &str) {
         let agent_key = self.agent_keys.intern(agent);
-        let queue = self.queues.entry_or_default(agent.to_owned());
+        let queue = self.queues.entry_or_default_by(agent);
         let order = queue.settled_counter;
         queue.settled_counter += 1;
         queue.settled_remembered =
@@ -583,14 +574,14 @@ impl State {
             let Some(queue) = self.queues.get(&agent) else {
                 return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn });
             };
-            let index = if request.item_id.is_empty() {
-                if queue.queued.is_empty() {
-                    return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn });
+            let slot = if request.item_id.is_empty() {
+                match queue.first_slot() {
+                    Some(slot) => slot,
+                    None => return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn }),
                 }
-                0
             } else {
-                match queue.queued.iter().position(|i| i.id == request.item_id) {
-                    Some(index) => index,
+                match queue.slot_of(&request.item_id) {
+                    Some(slot) => slot,
                     None if settled_without_turn.contains(&request.item_id) => {
                         return Verdict::Claim(ClaimVerdict::Nothing { settled_without_turn })
                     }
@@ -602,14 +593,15 @@ impl State {
                     }
                 }
             };
-            let item = queue.queued[index].clone();
+            let item = queue.item(slot).expect("a slot of the queue");
             let covered = self.cursor(&agent, &item.trigger_surface).is_some_and(|c| c >= item.trigger.ordinal);
             if covered && !item.resume_after_restart {
-                self.queues.get_mut(&agent).expect("queue exists").remove(index);
+                let item = self.queues.get_mut(&agent).and_then(|q| q.remove(slot)).expect("queued");
                 self.remember_settled(at, &agent, &item.id);
                 settled_without_turn.push(item.id);
                 continue;
             }
+            let item = self.queues.get_mut(&agent).and_then(|q| q.remove(slot)).expect("queued");
             for surface in Self::plan_surfaces(&item) {
                 if let Some(key) = self.surfaces.key(&surface) {
                     let cursor = self.cursor(&agent, &surface).unwrap_or(0);
@@ -618,7 +610,6 @@ impl State {
             }
             let (plan, rows, not_shown, extras) = self.prepare_wake(&agent, &item);
             let queue = self.queues.get_mut(&agent).expect("queue exists");
-            queue.remove(index);
             queue.active = Some(ActiveWake {
                 item: item.clone(),
                 worker: request.worker_id.clone(),
@@ -732,21 +723,14 @@ impl State {
     fn coalesce(&mut self, at: LogPosition, agent: &str, plan: &[PlanEntry]) -> Vec<String> {
         let moved: Vec<(&SurfaceId, u64)> =
             plan.iter().filter_map(|p| self.cursor(agent, &p.surface).map(|c| (&p.surface, c))).collect();
-        let Some(queue) = self.queues.get(&agent.to_owned()) else { return Vec::new() };
-        let positions = queue.covered_positions(&moved);
-        if positions.is_empty() {
+        let Some(queue) = self.queues.get(agent) else { return Vec::new() };
+        let slots = queue.covered_slots(&moved);
+        if slots.is_empty() {
             return Vec::new();
         }
-        let covered: Vec<String> = positions.iter().map(|p| queue.queued[*p].id.clone()).collect();
-        if let Some(queue) = self.queues.get_mut(&agent.to_owned()) {
-            let mut position = 0;
-            let mut covered_positions = positions.iter().peekable();
-            queue.retain(|_| {
-                let is_covered = covered_positions.next_if_eq(&&position).is_some();
-                position += 1;
-                !is_covered
-            });
-        }
+        let queue = self.queues.get_mut(agent).expect("looked up above");
+        let covered: Vec<String> =
+            slots.into_iter().filter_map(|slot| queue.remove(slot)).map(|item| item.id).collect();
         for id in &covered {
             self.remember_settled(at, agent, id);
         }
@@ -775,7 +759,7 @@ impl State {
     /// to the front of the queue (as it was: a claim moved no cursor) for any worker to claim,
     /// and the request is refused as one that may succeed when redone (claim again).
     fn release_expired_claim(&mut self, agent: &str, active: &ActiveWake, what: &str) -> Verdict {
-        let queue = self.queues.get_mut(&agent.to_owned()).expect("an active wake has a queue");
+        let queue = self.queues.get_mut(agent).expect("an active wake has a queue");
         debug_assert!(queue.active.as_ref().is_some_and(|a| a.item.id == active.item.id && a.started_seq.is_none()));
         if let Some(released) = queue.active.take() {
             queue.push_front(released.item);

@@ -127,7 +127,7 @@ impl Fixture {
         let state = self.engine().projection().state();
         state
             .queue("ada")
-            .map(|q| q.queued().iter().map(|i| (i.id.clone(), i.resume_after_restart)).collect())
+            .map(|q| q.queued().map(|i| (i.id.clone(), i.resume_after_restart)).collect())
             .unwrap_or_default()
     }
 

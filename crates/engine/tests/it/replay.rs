@@ -198,7 +198,7 @@ async fn state_at_three_points_gives_the_cursors_and_the_queue() {
     assert_eq!(woken.seq, 2);
     assert_eq!(woken.state.cursor("ada", &dm()), None);
     let queue = woken.state.queue("ada").unwrap();
-    assert_eq!(queue.queued().iter().map(|i| i.reason.as_str()).collect::<Vec<_>>(), ["dm"]);
+    assert_eq!(queue.queued().map(|i| i.reason.as_str()).collect::<Vec<_>>(), ["dm"]);
     assert!(queue.active.is_none());
 
     let started = replayer.rebuild(Some(LogPoint::Seq(4))).await.unwrap();
@@ -211,7 +211,7 @@ async fn state_at_three_points_gives_the_cursors_and_the_queue() {
     assert_eq!(finished.state.journal(&dm()).unwrap().tail, 3);
     let queue = finished.state.queue("ada").unwrap();
     assert!(queue.active.is_none());
-    assert_eq!(queue.queued().len(), 1, "the second DM waits (its row is covered: the next claim settles it)");
+    assert_eq!(queue.queued_len(), 1, "the second DM waits (its row is covered: the next claim settles it)");
 
     // A log time means the newest event at or before it.
     let time_of_4 = log.get(4).await.unwrap().unwrap().timestamp_ns;

@@ -2053,7 +2053,7 @@ impl Model {
             let expected_active = model.active.as_ref().map(|a| (a.id.as_str(), a.started));
             let (queued, active): (Vec<&str>, _) = match state.queue(agent) {
                 Some(q) => (
-                    q.queued().iter().map(|i| i.id.as_str()).collect(),
+                    q.queued().map(|i| i.id.as_str()).collect(),
                     q.active.as_ref().map(|a| (a.item.id.as_str(), a.started_seq.is_some())),
                 ),
                 None => (Vec::new(), None),

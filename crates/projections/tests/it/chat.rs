@@ -245,7 +245,7 @@ fn describe_verdict(log: &TestLog, seq: u64) -> String {
 
 fn describe_ada(log: &TestLog) -> String {
     let mut out = String::new();
-    if let Some(item) = log.state.queue("ada").and_then(|q| q.queued().back()) {
+    if let Some(item) = log.state.queue("ada").and_then(|q| q.queued().next_back()) {
         writeln!(out, "newest queued: {} {} reply_to {}", item.id, item.reason.as_str(), item.reply_to).unwrap();
         if let Some(note) = &item.note {
             render::put_attention_note(&mut out, note);

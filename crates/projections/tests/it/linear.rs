@@ -121,9 +121,8 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
         other => writeln!(out, "{other:?}").unwrap(),
     }
     let queue = log.state.queue("ada");
-    let queued: Vec<String> = queue
-        .map(|q| q.queued().iter().map(|i| format!("{} reply_to={}", i.id, i.reply_to)).collect())
-        .unwrap_or_default();
+    let queued: Vec<String> =
+        queue.map(|q| q.queued().map(|i| format!("{} reply_to={}", i.id, i.reply_to)).collect()).unwrap_or_default();
     writeln!(out, "queued: {}", if queued.is_empty() { "none".to_owned() } else { queued.join(", ") }).unwrap();
     if let Some(active) = queue.and_then(|q| q.active.as_ref()) {
         let state = if active.started_seq.is_some() { "running" } else { "claimed" };

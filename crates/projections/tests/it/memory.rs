@@ -209,7 +209,6 @@ impl Fleet {
         let queued: Vec<String> = queue
             .map(|q| {
                 q.queued()
-                    .iter()
                     .map(|i| {
                         format!("{} {}{}", i.id, i.reason.as_str(), if i.resume_after_restart { " resume" } else { "" })
                     })
@@ -377,7 +376,7 @@ impl Simulation {
             match self.log.verdict(seq) {
                 Verdict::MemoryPassQueued { pass_id, .. } => {
                     let pass_id = pass_id.clone();
-                    let item = self.log.state.queue(&agent_id).and_then(|q| q.queued().back()).expect("queued");
+                    let item = self.log.state.queue(&agent_id).and_then(|q| q.queued().next_back()).expect("queued");
                     assert_eq!(item.id, pass_id);
                     let memory = item.memory.clone().expect("a pass carries its slot");
                     self.queued.push((agent_id, pass_id, memory, item.queued_at_ns));
@@ -408,7 +407,7 @@ impl Simulation {
                     other => panic!("finish of {} at {now}: {other:?}", active.item.id),
                 }
             }
-            while self.log.state.queue(agent_id).is_some_and(|q| q.active.is_none() && !q.queued().is_empty()) {
+            while self.log.state.queue(agent_id).is_some_and(|q| q.active.is_none() && !q.nothing_queued()) {
                 let seq = self.fold(now, claim(agent_id, "w1"));
                 let Verdict::Claim(ClaimVerdict::Claimed(claimed)) = self.log.verdict(seq) else {
                     panic!("claim for {agent_id} at {now}: {:?}", self.log.verdict(seq));
@@ -513,7 +512,7 @@ fn check_simulation(zone: &str, first_day: Date, days: i16, transition_day: Date
     let idle = sim.log.state.memory_gate(IDLE);
     assert_eq!(idle.last_outcome, None, "{zone}: an agent with no history has no outcome record");
     assert_eq!((idle.newest_history_seq, idle.newest_outcome_seq), (0, 0));
-    assert!(sim.log.state.queue(IDLE).is_none_or(|q| q.queued().is_empty() && q.active.is_none()));
+    assert!(sim.log.state.queue(IDLE).is_none_or(|q| q.nothing_queued() && q.active.is_none()));
     let end_plan = sim.log.state.memory_plan(sim.log.positions.last().unwrap().at_ns);
     assert_eq!(status_of(&end_plan, IDLE), PassStatus::NoNewHistory);
 

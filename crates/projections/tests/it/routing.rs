@@ -60,7 +60,7 @@ fn describe(log: &TestLog, seq: u64) -> String {
         other => writeln!(out, "{other:?}").unwrap(),
     }
     if let Some(queue) = log.state.queue("ada") {
-        if let Some(item) = queue.queued().back() {
+        if let Some(item) = queue.queued().next_back() {
             writeln!(out, "newest queued: {} reply_to {}", item.reason.as_str(), item.reply_to).unwrap();
             if let Some(note) = &item.note {
                 let mut text = String::new();

@@ -22,7 +22,7 @@ fn thread_reply(thread: &str, ts_: &str, text: &str) -> Envelope {
 }
 
 fn queued_ids(log: &TestLog) -> Vec<String> {
-    log.state.queue("ada").map(|q| q.queued().iter().map(|i| i.id.clone()).collect()).unwrap_or_default()
+    log.state.queue("ada").map(|q| q.queued().map(|i| i.id.clone()).collect()).unwrap_or_default()
 }
 
 fn stopped(log: &TestLog, seq: u64) -> (SurfaceId, Vec<String>) {

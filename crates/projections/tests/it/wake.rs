@@ -97,7 +97,6 @@ fn describe_agent(log: &TestLog, agent: &str) -> String {
     let queued: Vec<String> = queue
         .map(|q| {
             q.queued()
-                .iter()
                 .map(|i| {
                     format!("{} {}{}", i.id, i.reason.as_str(), if i.resume_after_restart { " resume" } else { "" })
                 })
@@ -177,7 +176,7 @@ fn an_own_dm_does_not_wake() {
 #[test]
 fn a_dm_in_a_thread_wakes_with_the_thread_as_reply_target() {
     let log = TestLog::with(&[anna(), dm_from_human("anna", "D1", &ts(2), "in a thread").in_thread(&ts(1))]);
-    let item = &log.state.queue("anna").unwrap().queued()[0];
+    let item = &log.state.queue("anna").unwrap().queued().next().unwrap();
     assert_eq!(item.reply_to.to_string(), "slack:T1:D1:thread:1700000060.000100");
 }
 
@@ -987,7 +986,7 @@ fn a_wake_that_meets_a_full_queue_is_recorded_as_not_queued_and_counted() {
         (QUEUED_ITEMS_MAX as u64 + 1, None, Some(NotQueued::QueueFull)),
         "journaled, but the agent was not woken, and the verdict says why"
     );
-    assert_eq!(log.state.queue("anna").map(|q| q.queued().len()), Some(QUEUED_ITEMS_MAX));
+    assert_eq!(log.state.queue("anna").map(|q| q.queued_len()), Some(QUEUED_ITEMS_MAX));
     let index = one_too_many as usize - 1;
     let mut redacted = Redactor::schema().redact(
         one_too_many,
