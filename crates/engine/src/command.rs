@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use anima_projections::journal::{RowBody, RowMeta};
 use anima_projections::proto::{self, envelope::Payload};
-use anima_projections::render;
 use anima_projections::surface::{
     chat_message_identity, linear_receipt_identity, slack_message_identity, LinearReceiptKind, SurfaceId,
 };
@@ -16,6 +15,7 @@ use anima_projections::verdict::{
     ClaimVerdict, ClaimedWake, JournalVerdict, LinearResponseVerdict, LinearSessionVerdict, Refusal, RefusalKind,
     SendVerdict, Verdict,
 };
+use anima_projections::{render, text};
 use bytes::Bytes;
 use prost::Message;
 use uuid::Uuid;
@@ -662,7 +662,7 @@ impl Engine {
                 let bodies = self.row_bodies(&held.shown).await?;
                 let rows: Vec<(&RowMeta, &RowBody)> =
                     held.shown.iter().zip(bodies.iter().map(|b| b.as_ref())).collect();
-                Some(render::render_held_notice(&request.agent_id, held.kind, held.new_messages, held.omitted, &rows))
+                Some(text::render_held_notice(&request.agent_id, held.kind, held.new_messages, held.omitted, &rows))
             }
         };
         Ok(SendDecision { seq: outcome.seq(), verdict, notice, already_posted: None })

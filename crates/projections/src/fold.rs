@@ -196,7 +196,7 @@ impl State {
             SurfaceId::Chat { .. } if confirmation.ts.is_empty() => {
                 return refused(RefusalKind::InvalidArgument, "the chat message id of the post is empty")
             }
-            SurfaceId::Chat { .. } => (log_seconds(at), record.chat_user_id.clone(), String::new()),
+            SurfaceId::Chat { .. } => (log_seconds(at.at_ns), record.chat_user_id.clone(), String::new()),
             SurfaceId::Linear { .. } => {
                 return refused(
                     RefusalKind::InvalidArgument,
@@ -277,7 +277,7 @@ impl State {
                 direct: kind == ChatKind::P2p,
                 surface,
                 id: &message.message_id,
-                ts_seconds: log_seconds(at),
+                ts_seconds: log_seconds(at.at_ns),
                 user_id: &message.sender_id,
                 bot_id: "",
                 body: RowBody {
@@ -378,7 +378,7 @@ impl State {
             note: None,
             linear: None,
             memory: None,
-            extras: crate::render::ExtrasSizes::of(body),
+            extras: crate::text::ExtrasSizes::of(body),
         };
         match self.queue_wake(at, agent, item) {
             Ok(reason) => (Some(routed.route), Some(reason), None),

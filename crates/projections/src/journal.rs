@@ -6,106 +6,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::intern::SurfaceKey;
-use crate::proto;
+pub use crate::row::{RowBody, RowMeta};
 use crate::surface::SurfaceId;
 
 /// Metadata of recent rows kept per surface. Held notices and wake texts show at most
-/// [`crate::render::ROWS_SHOWN_MAX`] rows, so a window of this size always holds the rows they
+/// [`crate::text::ROWS_SHOWN_MAX`] rows, so a window of this size always holds the rows they
 /// can show; older metadata is dropped to bound memory per surface.
 pub const RECENT_ROWS_MAX: usize = 64;
-
-/// What the fold keeps of one journal row.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RowMeta {
-    pub ordinal: u64,
-    /// Log sequence of the event that journaled it; its body is read from there.
-    pub seq: u64,
-    /// Log time of that event, unix ns.
-    pub at_ns: i64,
-    /// Slack ts and its whole seconds; for chat rows the platform's message id and the whole
-    /// seconds of the log time that journaled it (chat messages carry no time of their own).
-    pub ts: String,
-    pub ts_seconds: i64,
-    pub user_id: String,
-    pub bot_id: String,
-    /// The agent whose platform identity wrote it, classified when it was journaled.
-    pub owner: Option<String>,
-    /// Rendered size for a reader who does not own it, and of its sender label and body.
-    pub row_bytes: u32,
-    pub sender_bytes: u32,
-    pub body_bytes: u32,
-}
-
-impl RowMeta {
-    /// Whether `agent` wrote it.
-    pub fn is_own(&self, agent: &str) -> bool {
-        self.owner.as_deref() == Some(agent)
-    }
-
-    /// Rendered size as `reader` sees it (own rows say `you`).
-    pub fn bytes_for(&self, reader: &str) -> usize {
-        if self.is_own(reader) {
-            (self.row_bytes - self.sender_bytes) as usize + crate::render::YOU.len()
-        } else {
-            self.row_bytes as usize
-        }
-    }
-}
-
-/// The content of a row, as read from its stored event. Never kept in fold state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RowBody {
-    pub text: String,
-    pub user_name: String,
-    pub files: Vec<proto::SlackFile>,
-    /// Link previews (Slack unfurls); shown for the trigger of a wake only, as an extra.
-    pub previews: Vec<proto::LinkPreview>,
-}
-
-impl RowBody {
-    /// The body of a journaled event (a Slack or chat observation, or a confirmed own post).
-    pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
-        use proto::envelope::Payload;
-        match envelope.payload.as_ref()? {
-            Payload::SlackMessage(m) => Some(RowBody {
-                text: m.text.clone(),
-                user_name: m.user_name.clone(),
-                files: m.files.clone(),
-                previews: m.previews.clone(),
-            }),
-            Payload::ChatMessage(m) => Some(RowBody {
-                text: m.text.clone(),
-                user_name: m.sender_name.clone(),
-                files: m.files.clone(),
-                previews: Vec::new(),
-            }),
-            // The prompt is the body of a Linear wake's trigger; the issue title stands where a
-            // sender's name would.
-            Payload::LinearSession(e) => {
-                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), ..RowBody::default() })
-            }
-            Payload::SendConfirmed(c) => {
-                Some(RowBody { text: c.text.clone(), files: c.files.clone(), ..RowBody::default() })
-            }
-            _ => None,
-        }
-    }
-
-    /// Bytes this body takes in memory, for cache accounting: its heap buffers and the fixed
-    /// part of it and of a cache entry, not only the text (with short messages the fixed part
-    /// is most of it, and a cache bounded by text bytes alone held several times its bound).
-    pub fn size_bytes(&self) -> usize {
-        use prost::Message;
-        /// A cache entry beyond the body: the `Arc`'s counts and the map's key and node share.
-        const CACHE_ENTRY_OVERHEAD_BYTES: usize = 64;
-        std::mem::size_of::<RowBody>()
-            + CACHE_ENTRY_OVERHEAD_BYTES
-            + self.text.capacity()
-            + self.user_name.capacity()
-            + self.files.iter().map(|f| std::mem::size_of::<proto::SlackFile>() + f.encoded_len()).sum::<usize>()
-            + self.previews.iter().map(|p| std::mem::size_of::<proto::LinkPreview>() + p.encoded_len()).sum::<usize>()
-    }
-}
 
 /// One surface's journal: its tail and who wrote its trailing run. Its rows are the state's
 /// `journal_rows` table, one checkpoint entry per row, so a new row writes one small entry; the
@@ -234,7 +141,7 @@ pub(crate) fn row_meta(
         sender_bytes: 0,
         body_bytes: 0,
     };
-    let sizes = crate::render::row_sizes(&meta, body);
+    let sizes = crate::text::row_sizes(&meta, body);
     meta.row_bytes = u32_saturating(sizes.row_bytes);
     meta.sender_bytes = u32_saturating(sizes.sender_bytes);
     meta.body_bytes = u32_saturating(sizes.body_bytes);

@@ -131,7 +131,7 @@ impl State {
             id: receipt.clone(),
             reason: WakeReason::Linear,
             trigger_surface: session.clone(),
-            trigger: row_meta(at, 0, &receipt, log_seconds(at), "", "", None, &body),
+            trigger: row_meta(at, 0, &receipt, log_seconds(at.at_ns), "", "", None, &body),
             reply_to: session,
             queued_seq: at.seq,
             queued_at_ns: at.at_ns,
@@ -145,7 +145,7 @@ impl State {
                 issue_url: event.issue_url.clone(),
             }),
             memory: None,
-            extras: crate::render::ExtrasSizes::default(),
+            extras: crate::text::ExtrasSizes::default(),
         };
         let queued = self.queue_wake(at, &agent, item);
         Verdict::LinearSession(LinearSessionVerdict {

@@ -395,7 +395,7 @@ impl State {
                 at,
                 0,
                 &due.pass_id,
-                crate::time::log_seconds(at),
+                crate::time::log_seconds(at.at_ns),
                 "",
                 "",
                 None,
@@ -407,7 +407,7 @@ impl State {
             resume_after_restart: false,
             note: None,
             linear: None,
-            extras: crate::render::ExtrasSizes::default(),
+            extras: crate::text::ExtrasSizes::default(),
             memory: Some(MemoryWake {
                 window_day: window_day.clone(),
                 slot_at_ns: due.slot_at_ns,

@@ -12,9 +12,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::proto;
-use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
+use crate::text::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::verdict::refused;
 use crate::verdict::{HeldSend, PostKind, RefusalKind, SendVerdict, Verdict};
 
@@ -106,7 +106,7 @@ impl State {
         // the journal's window cannot be told apart any more and count as new.
         let window_first = journal.window_first();
         let mut new_messages = window_first.saturating_sub(cursor + 1);
-        let mut budget = TEXT_BYTES_MAX.saturating_sub(render::held_frame_bytes_max());
+        let mut budget = TEXT_BYTES_MAX.saturating_sub(text::held_frame_bytes_max());
         let mut shown = Vec::new();
         let mut showing = true;
         for ordinal in (cursor.max(window_first - 1) + 1..=tail).rev() {

@@ -11,6 +11,8 @@ use crate::journal::RowMeta;
 use crate::proto;
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
+// The note types are plain values the text writer shows: they live with it.
+pub use crate::text::{AttentionNote, NoteKind};
 use crate::verdict::refused;
 use crate::verdict::{RefusalKind, Verdict};
 use crate::wake::WakeReason;
@@ -77,21 +79,6 @@ pub struct Attention {
     pub last_post_ns: Option<i64>,
     /// No note before this log time.
     pub note_backoff_until_ns: i64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NoteKind {
-    Burst,
-    Chronic,
-}
-
-/// A mute suggestion attached to a wake.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AttentionNote {
-    pub kind: NoteKind,
-    /// The channel or thread to mute.
-    pub target: SurfaceId,
-    pub wakes: u32,
 }
 
 impl Attention {

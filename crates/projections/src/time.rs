@@ -41,9 +41,10 @@ pub fn slack_ts_seconds(ts: &str) -> Option<i64> {
     secs.parse().ok()
 }
 
-/// Whole seconds of a log position's time: the time shown for chat rows, which carry none.
-pub(crate) fn log_seconds(at: crate::state::LogPosition) -> i64 {
-    at.at_ns.div_euclid(1_000_000_000)
+/// Whole seconds of a log time (unix ns, a log position's `at_ns`): the time shown for chat
+/// rows, which carry none.
+pub(crate) fn log_seconds(at_ns: i64) -> i64 {
+    at_ns.div_euclid(1_000_000_000)
 }
 
 #[cfg(test)]

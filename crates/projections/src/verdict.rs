@@ -5,9 +5,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::journal::RowMeta;
-pub use crate::render::PostKind;
 use crate::subscription::Route;
 use crate::surface::SurfaceId;
+pub use crate::text::PostKind;
 use crate::wake::{NotQueued, PlanEntry, WakeItem, WakeReason};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,7 +147,7 @@ pub struct ClaimedWake {
     /// `MEMORY.md` gets the consolidation form.
     pub consolidation_threshold_bytes: u64,
     /// Which of the trigger's extras (note, previews, files) the wake text shows.
-    pub extras: crate::render::Extras,
+    pub extras: crate::text::Extras,
 }
 
 /// What one Linear session event did for its receiving agent.

@@ -95,7 +95,20 @@ pub struct WakeItem {
     /// Set for memory passes (item id `memory-pass:{agent}:{window_day}`).
     pub memory: Option<crate::memory::MemoryWake>,
     /// Sizes of the trigger's extras (previews, files) as the wake text renders them.
-    pub extras: crate::render::ExtrasSizes,
+    pub extras: crate::text::ExtrasSizes,
+}
+
+impl WakeItem {
+    /// The plain values the frame of its wake text shows, as the text writer takes them.
+    pub fn frame(&self) -> crate::text::WakeFrame<'_> {
+        crate::text::WakeFrame {
+            reason: self.reason.as_str(),
+            trigger_surface: &self.trigger_surface,
+            trigger: &self.trigger,
+            reply_to: &self.reply_to,
+            resume_after_restart: self.resume_after_restart,
+        }
+    }
 }
 
 /// The non-content fields of the Linear session event behind a wake.
@@ -392,8 +405,8 @@ impl crate::cold::Slots<(AgentKey, u64), (u64, String)> for SettledSlots {
 }
 
 use crate::proto;
-use crate::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::state::{LogPosition, State, SETTLED_IDS_TAG, SETTLED_ORDER_TAG};
+use crate::text::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use crate::verdict::refused;
 use crate::verdict::{ClaimVerdict, ClaimedWake, MovedCursor, RefusalKind, Verdict};
 
@@ -490,13 +503,13 @@ impl State {
 
     /// Prepares a plan: the rows after the cursors, newest first across the plan's surfaces,
     /// until 20 rows or the byte budget; the trigger always included. Moves nothing.
-    fn prepare_wake(&self, agent: &str, item: &WakeItem) -> (Vec<PlanEntry>, Vec<RowMeta>, u64, render::Extras) {
+    fn prepare_wake(&self, agent: &str, item: &WakeItem) -> (Vec<PlanEntry>, Vec<RowMeta>, u64, text::Extras) {
         let surfaces = Self::plan_surfaces(item);
         // The trigger and its extras come first (extras shrunk as far as needed to fit); the
         // rows get what is left.
-        let frame = render::wake_frame_bytes_max(item);
-        let note_bytes = render::note_bytes(item.note.as_ref());
-        let extras = render::Extras::fit(TEXT_BYTES_MAX.saturating_sub(frame), note_bytes, &item.extras);
+        let frame = text::wake_frame_bytes_max(&item.frame(), &item.extras);
+        let note_bytes = text::note_bytes(item.note.as_ref());
+        let extras = text::Extras::fit(TEXT_BYTES_MAX.saturating_sub(frame), note_bytes, &item.extras);
         let mut budget = TEXT_BYTES_MAX.saturating_sub(frame + extras.bytes(note_bytes, &item.extras));
         let mut candidates: Vec<(&SurfaceId, &RowMeta)> = Vec::new();
         let mut after_cursors = 0u64;

@@ -8,8 +8,9 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use anima_projections::proto::{self, envelope::Payload, Envelope};
-use anima_projections::render::{self, TEXT_BYTES_MAX};
+use anima_projections::render;
 use anima_projections::subscription::Route;
+use anima_projections::text::{self, TEXT_BYTES_MAX};
 use anima_projections::verdict::{ClaimVerdict, SendVerdict, Verdict};
 use expect_test::{expect, Expect};
 
@@ -225,7 +226,7 @@ fn describe_verdict(log: &TestLog, seq: u64) -> String {
         Verdict::Send(SendVerdict::Held(held)) => {
             let bodies = log.with_bodies(&held.shown);
             let rows: Vec<_> = bodies.iter().map(|(meta, body)| (*meta, body)).collect();
-            let notice = render::render_held_notice("ada", held.kind, held.new_messages, held.omitted, &rows);
+            let notice = text::render_held_notice("ada", held.kind, held.new_messages, held.omitted, &rows);
             writeln!(
                 out,
                 "held on {}: new {}, shown {}, cursor {} -> {}\n{notice}",
@@ -248,7 +249,7 @@ fn describe_ada(log: &TestLog) -> String {
     if let Some(item) = log.state.queue("ada").and_then(|q| q.queued().next_back()) {
         writeln!(out, "newest queued: {} {} reply_to {}", item.id, item.reason.as_str(), item.reply_to).unwrap();
         if let Some(note) = &item.note {
-            render::put_attention_note(&mut out, note);
+            text::put_attention_note(&mut out, note);
         }
     }
     for (surface, s) in log.state.subscriptions_of("ada") {

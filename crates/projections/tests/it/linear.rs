@@ -7,7 +7,8 @@
 use std::fmt::Write;
 
 use anima_projections::proto::{self, envelope::Payload, Envelope};
-use anima_projections::render::{self, TEXT_BYTES_MAX};
+use anima_projections::render;
+use anima_projections::text::TEXT_BYTES_MAX;
 use anima_projections::verdict::{ClaimVerdict, Verdict};
 use expect_test::{expect, Expect};
 

@@ -6,8 +6,8 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use anima_projections::proto::{self, envelope::Payload, Envelope};
-use anima_projections::render;
 use anima_projections::subscription::Route;
+use anima_projections::text;
 use anima_projections::verdict::Verdict;
 use expect_test::{expect, Expect};
 
@@ -64,7 +64,7 @@ fn describe(log: &TestLog, seq: u64) -> String {
             writeln!(out, "newest queued: {} reply_to {}", item.reason.as_str(), item.reply_to).unwrap();
             if let Some(note) = &item.note {
                 let mut text = String::new();
-                render::put_attention_note(&mut text, note);
+                text::put_attention_note(&mut text, note);
                 out.push_str(&text);
             }
         }

@@ -9,7 +9,7 @@
 use std::fmt::Write;
 
 use anima_projections::proto::{self, envelope::Payload, Envelope};
-use anima_projections::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
+use anima_projections::text::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use anima_projections::verdict::{PostKind, SendVerdict, Verdict};
 use anima_projections::LogPosition;
 use expect_test::{expect, Expect};
@@ -53,7 +53,7 @@ fn describe(log: &TestLog, seq: u64) -> String {
             assert!(held.shown.len() <= ROWS_SHOWN_MAX);
             let bodies = log.with_bodies(&held.shown);
             let rows: Vec<_> = bodies.iter().map(|(meta, body)| (*meta, body)).collect();
-            let notice = render::render_held_notice(agent, held.kind, held.new_messages, held.omitted, &rows);
+            let notice = text::render_held_notice(agent, held.kind, held.new_messages, held.omitted, &rows);
             assert!(notice.len() <= TEXT_BYTES_MAX, "notice of {} bytes is over the budget", notice.len());
             let lower = notice.to_lowercase();
             for word in WORDS_NEVER_IN_A_NOTICE {
@@ -726,13 +726,13 @@ fn the_notice_frame_never_says_blocked_rejected_or_failed() {
     for kind in PostKind::ALL {
         for new_messages in [1, 2, 25, u64::MAX] {
             for omitted in [0, 1, 5] {
-                let notice = render::render_held_notice("anna", kind, new_messages, omitted, &[]).to_lowercase();
+                let notice = text::render_held_notice("anna", kind, new_messages, omitted, &[]).to_lowercase();
                 for word in WORDS_NEVER_IN_A_NOTICE {
                     assert!(!notice.contains(word), "{notice}");
                 }
                 assert!(notice.contains("send it again unchanged and it will be posted"));
                 assert!(notice.contains(&format!("your {} was not sent", kind.noun())), "{notice}");
-                assert!(notice.len() <= render::held_frame_bytes_max(), "the frame bound is an upper bound");
+                assert!(notice.len() <= text::held_frame_bytes_max(), "the frame bound is an upper bound");
             }
         }
     }

@@ -9,7 +9,8 @@ use std::fmt::Write;
 use std::time::Duration;
 
 use anima_projections::proto::{envelope::Payload, Envelope, WakeOutcome};
-use anima_projections::render::{self, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
+use anima_projections::render;
+use anima_projections::text::{ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use anima_projections::verdict::{ClaimVerdict, ClaimedWake, Verdict};
 use expect_test::{expect, Expect};
 

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use anima_projections::proto::Envelope;
-use anima_projections::render::{self, Extras, PreviewForm, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
+use anima_projections::render;
+use anima_projections::text::{self, Extras, PreviewForm, ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use anima_projections::verdict::{ClaimVerdict, ClaimedWake, Verdict};
 use expect_test::expect;
 
@@ -135,7 +136,7 @@ fn extras_shrink_before_the_trigger_halving_then_dropping_the_previews() {
     assert_eq!(claimed.extras.previews, PreviewForm::Halved, "{:?}", claimed.extras);
     assert!(claimed.extras.files, "files go last");
     let longest = text.lines().filter(|l| l.starts_with("> preview ")).map(str::len).max().expect("previews");
-    assert!(longest <= 2 + render::PREVIEW_TEXT_SHOWN_BYTES_MAX / 2 + 3, "halved texts: {longest} bytes");
+    assert!(longest <= 2 + text::PREVIEW_TEXT_SHOWN_BYTES_MAX / 2 + 3, "halved texts: {longest} bytes");
     assert!(text.contains("=== files ===\n> [file: report.pdf"), "{text}");
     assert_envelope_intact(&text);
 

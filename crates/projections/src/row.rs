@@ -1,0 +1,92 @@
+//! A journal row as plain values: what the fold keeps of it ([`RowMeta`]) and its content as
+//! read from the log ([`RowBody`]). Below the areas and the text writer, which both use them;
+//! [`crate::journal`] re-exports them. The rendered size of a row for a reader
+//! ([`RowMeta::bytes_for`]) sits with the writer in [`crate::text`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::proto;
+
+/// What the fold keeps of one journal row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowMeta {
+    pub ordinal: u64,
+    /// Log sequence of the event that journaled it; its body is read from there.
+    pub seq: u64,
+    /// Log time of that event, unix ns.
+    pub at_ns: i64,
+    /// Slack ts and its whole seconds; for chat rows the platform's message id and the whole
+    /// seconds of the log time that journaled it (chat messages carry no time of their own).
+    pub ts: String,
+    pub ts_seconds: i64,
+    pub user_id: String,
+    pub bot_id: String,
+    /// The agent whose platform identity wrote it, classified when it was journaled.
+    pub owner: Option<String>,
+    /// Rendered size for a reader who does not own it, and of its sender label and body.
+    pub row_bytes: u32,
+    pub sender_bytes: u32,
+    pub body_bytes: u32,
+}
+
+impl RowMeta {
+    /// Whether `agent` wrote it.
+    pub fn is_own(&self, agent: &str) -> bool {
+        self.owner.as_deref() == Some(agent)
+    }
+}
+
+/// The content of a row, as read from its stored event. Never kept in fold state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RowBody {
+    pub text: String,
+    pub user_name: String,
+    pub files: Vec<proto::SlackFile>,
+    /// Link previews (Slack unfurls); shown for the trigger of a wake only, as an extra.
+    pub previews: Vec<proto::LinkPreview>,
+}
+
+impl RowBody {
+    /// The body of a journaled event (a Slack or chat observation, or a confirmed own post).
+    pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
+        use proto::envelope::Payload;
+        match envelope.payload.as_ref()? {
+            Payload::SlackMessage(m) => Some(RowBody {
+                text: m.text.clone(),
+                user_name: m.user_name.clone(),
+                files: m.files.clone(),
+                previews: m.previews.clone(),
+            }),
+            Payload::ChatMessage(m) => Some(RowBody {
+                text: m.text.clone(),
+                user_name: m.sender_name.clone(),
+                files: m.files.clone(),
+                previews: Vec::new(),
+            }),
+            // The prompt is the body of a Linear wake's trigger; the issue title stands where a
+            // sender's name would.
+            Payload::LinearSession(e) => {
+                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), ..RowBody::default() })
+            }
+            Payload::SendConfirmed(c) => {
+                Some(RowBody { text: c.text.clone(), files: c.files.clone(), ..RowBody::default() })
+            }
+            _ => None,
+        }
+    }
+
+    /// Bytes this body takes in memory, for cache accounting: its heap buffers and the fixed
+    /// part of it and of a cache entry, not only the text (with short messages the fixed part
+    /// is most of it, and a cache bounded by text bytes alone held several times its bound).
+    pub fn size_bytes(&self) -> usize {
+        use prost::Message;
+        /// A cache entry beyond the body: the `Arc`'s counts and the map's key and node share.
+        const CACHE_ENTRY_OVERHEAD_BYTES: usize = 64;
+        std::mem::size_of::<RowBody>()
+            + CACHE_ENTRY_OVERHEAD_BYTES
+            + self.text.capacity()
+            + self.user_name.capacity()
+            + self.files.iter().map(|f| std::mem::size_of::<proto::SlackFile>() + f.encoded_len()).sum::<usize>()
+            + self.previews.iter().map(|p| std::mem::size_of::<proto::LinkPreview>() + p.encoded_len()).sum::<usize>()
+    }
+}
