@@ -306,7 +306,7 @@ pub fn state_at_response(
                     tail: tail_of(surface),
                 })
                 .collect(),
-            queued: queue.map(|q| q.queued().map(wake_item).collect()).unwrap_or_default(),
+            queued: state.queued_items(agent).iter().map(wake_item).collect(),
             active: queue.and_then(|q| q.active.as_ref()).map(|active| api::ReplayActiveWake {
                 item: Some(wake_item(&active.item)),
                 worker_id: active.worker.clone(),

@@ -52,7 +52,7 @@ impl Cold {
         }
     }
 
-    fn scan(&self, prefix: &[u8]) -> Entries {
+    pub(crate) fn scan(&self, prefix: &[u8]) -> Entries {
         let Some(store) = self.0.as_ref() else { return Vec::new() };
         match store.scan(prefix) {
             Ok(entries) => entries,

@@ -180,6 +180,7 @@ impl State {
     /// Removes the session's queued items of the agent; a running (or claimed) one stays. The
     /// session can no longer be answered until it is received again.
     fn stop_linear_session(&mut self, at: LogPosition, agent: &str, session_id: &str) -> Verdict {
+        self.ensure_queue(agent);
         let key = (agent.to_owned(), session_id.to_owned());
         if let Some(received) = self.linear_sessions.get_mut(&key) {
             received.stopped_seq.get_or_insert(at.seq);

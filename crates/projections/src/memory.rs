@@ -349,6 +349,7 @@ impl State {
     }
 
     pub(crate) fn request_memory_pass(&mut self, at: LogPosition, request: &proto::MemoryPassRequested) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let agent = request.agent_id.as_str();
         if !self.agents.contains_key(&request.agent_id) {
             return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));

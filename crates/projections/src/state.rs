@@ -16,11 +16,11 @@ use crate::subscription::Subscription;
 use crate::surface::{ChatKind, SurfaceId};
 use crate::table::Table;
 use crate::verdict::Verdict;
-use crate::wake::AgentQueue;
+use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 13;
+pub const FOLD_VERSION: u32 = 14;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -289,9 +289,16 @@ macro_rules! state_tables {
                     out.extend(encode(agent));
                     out.extend(encode(&queue.header()));
                     out.extend(encode(&(queue.queued_len() as u64)));
-                    for (slot, item) in queue.slotted() {
-                        out.extend(encode(&slot));
-                        out.extend(encode(item));
+                    if queue.items_in_store() {
+                        for (slot, item) in self.stored_queue_items(agent) {
+                            out.extend(encode(&slot));
+                            out.extend(encode(&item));
+                        }
+                    } else {
+                        for (slot, item) in queue.slotted() {
+                            out.extend(encode(&slot));
+                            out.extend(encode(item));
+                        }
                     }
                 }
                 $(
@@ -316,7 +323,7 @@ macro_rules! state_tables {
             /// Whether entries of the table with this checkpoint tag may stay in the store when
             /// a checkpoint is restored (they are read back when needed).
             pub fn is_cold_tag(tag: u8) -> bool {
-                [$($ctag),*].contains(&tag)
+                [$($ctag,)* QUEUE_ITEMS_TAG].contains(&tag)
             }
 
             /// Backs the cold tables with `cold`: entries not in memory are read from it. Call
@@ -324,6 +331,7 @@ macro_rules! state_tables {
             pub fn attach_cold(&mut self, cold: Cold) {
                 self.cold = cold;
                 $( self.$cfield.set_backed(); )*
+                self.queues.load_each_mut(|_, queue| queue.leave_items_in_store());
             }
 
             /// Lets go of up to `max` clean entries of each cold table (see [`crate::cold`]);
@@ -460,6 +468,45 @@ impl State {
         self.queues.get(agent)
     }
 
+    /// Brings the agent's queued items into memory if a restore left them in the checkpoint
+    /// store (one scan of the agent's entries); every fold path that reads or changes a queue's
+    /// items calls it first. They stay in memory from then on, like every queue that was never
+    /// restored.
+    pub(crate) fn ensure_queue(&mut self, agent: &str) {
+        if !self.queues.get(agent).is_some_and(AgentQueue::items_in_store) {
+            return;
+        }
+        let items = self.stored_queue_items(agent);
+        self.queues.load_mut(agent.to_owned()).load_stored_items(items);
+    }
+
+    /// The agent's waiting items, in queue order, read from the store for a queue whose items
+    /// a restore left there (nothing is kept): for readers outside the fold.
+    pub fn queued_items(&self, agent: &str) -> Vec<WakeItem> {
+        match self.queues.get(agent) {
+            Some(queue) if queue.items_in_store() => {
+                self.stored_queue_items(agent).into_iter().map(|(_, item)| item).collect()
+            }
+            Some(queue) => queue.queued().cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The agent's items as the checkpoint store holds them, by slot.
+    fn stored_queue_items(&self, agent: &str) -> Vec<(u64, WakeItem)> {
+        self.cold
+            .scan(&tagged(QUEUE_ITEMS_TAG, &agent))
+            .into_iter()
+            .map(|(key, value)| {
+                let stored = || -> Result<(u64, WakeItem), CheckpointDecodeError> {
+                    let (_, slot): (String, [u8; 8]) = decode("queue_items", &key[1..])?;
+                    Ok((u64::from_be_bytes(slot), decode("queue_items", &value)?))
+                };
+                stored().unwrap_or_else(|e| panic!("a queued item in the checkpoint store: {e}"))
+            })
+            .collect()
+    }
+
     /// Whether the surface is a direct conversation (a Slack DM, or a thread or the top level of
     /// a chat last observed as p2p): routed as `dm`, no follows, cannot be muted.
     pub fn is_direct(&self, surface: &SurfaceId) -> bool {
@@ -504,7 +551,7 @@ impl State {
     /// The state's own estimate of the memory it takes: entries counted by table, with a rough
     /// size each. The runner compares it with its budget to decide when cold entries leave.
     pub fn memory_estimate_bytes(&self) -> usize {
-        let queued: usize = self.queues.iter().map(|(_, queue)| queue.queued_len() + 1).sum();
+        let queued: usize = self.queues.iter().map(|(_, queue)| queue.resident_len() + 1).sum();
         let hot_entries = self.agents.len()
             + self.slack_identities.len()
             + self.journals.len()

@@ -141,6 +141,13 @@ impl<K: Ord + Clone, V> Table<K, V> {
         self.map.entry(key).or_default()
     }
 
+    /// Mutable access to every entry, for finishing a checkpoint's load; not marked changed.
+    pub fn load_each_mut(&mut self, mut each: impl FnMut(&K, &mut V)) {
+        for (key, value) in &mut self.map {
+            each(key, value);
+        }
+    }
+
     /// Loads an entry from a checkpoint; not marked changed.
     pub fn load(&mut self, key: K, value: V) {
         self.map.insert(key, value);

@@ -23,6 +23,7 @@ pub struct ThreadStopVerdict {
 
 impl State {
     pub(crate) fn stop_slack_thread(&mut self, stop: &proto::SlackThreadStopObserved) -> Verdict {
+        self.ensure_queue(&stop.receiving_agent_id);
         let agent = stop.receiving_agent_id.as_str();
         if !self.agents.contains_key(&stop.receiving_agent_id) {
             return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));

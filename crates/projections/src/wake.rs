@@ -212,6 +212,13 @@ pub struct AgentQueue {
     /// queued items a start may settle — those not resuming after a restart — as (trigger
     /// ordinal, slot). Derived like `queued_ids`; looked up by fingerprint, ranges in order.
     coverage: HashMap<u64, BTreeSet<(u64, u64)>>,
+    /// How many items wait, in memory or still in the store: kept by the methods that queue
+    /// and take items, and loaded with the header.
+    len: u64,
+    /// Set on a queue restored from a checkpoint whose items were left in the store: a restart
+    /// loads only headers, and an agent's items come into memory the first time the fold
+    /// touches its queue ([`crate::State::ensure_queue`]). Item methods assert it is clear.
+    items_in_store: bool,
 }
 
 /// The checkpointed part of an [`AgentQueue`] besides its items.
@@ -222,6 +229,8 @@ pub struct QueueHeader {
     pub settled_counter: u64,
     pub back_taken: u64,
     pub front_taken: u64,
+    /// How many items wait (so a restart need not load them to know).
+    pub queued: u64,
 }
 
 /// The middle of the slot range: the first slot at the back.
@@ -237,17 +246,50 @@ fn surface_fingerprint(surface: &SurfaceId) -> u64 {
 impl AgentQueue {
     /// Whether `item_id` is queued or active.
     pub fn holds(&self, item_id: &str) -> bool {
+        self.assert_items_in_memory();
         self.queued_ids.contains_key(item_id) || self.active.as_ref().is_some_and(|a| a.item.id == item_id)
     }
 
-    /// The waiting items, in queue order.
+    fn assert_items_in_memory(&self) {
+        debug_assert!(!self.items_in_store, "a queue's items read before State::ensure_queue brought them in");
+    }
+
+    /// The waiting items, in queue order. On a restored queue whose items are still in the
+    /// store, use [`crate::State::queued_items`] (which reads through).
     pub fn queued(&self) -> std::collections::btree_map::Values<'_, u64, WakeItem> {
+        self.assert_items_in_memory();
         self.items.values()
     }
 
-    /// How many items wait.
+    /// How many items wait (in memory or not).
     pub fn queued_len(&self) -> usize {
+        debug_assert!(self.items_in_store || self.len == self.items.len() as u64, "the count follows the items");
+        usize::try_from(self.len).unwrap_or(usize::MAX)
+    }
+
+    /// Items in memory (for the state's memory estimate).
+    pub fn resident_len(&self) -> usize {
         self.items.len()
+    }
+
+    /// Whether the items are still in the checkpoint store.
+    pub fn items_in_store(&self) -> bool {
+        self.items_in_store
+    }
+
+    /// After a restore that left the items in the store: marks a queue with items as such.
+    pub(crate) fn leave_items_in_store(&mut self) {
+        debug_assert!(self.items.is_empty(), "a lazy restore loads no items");
+        self.items_in_store = self.len > 0;
+    }
+
+    /// Brings in the items read from the store (all of them, any order).
+    pub(crate) fn load_stored_items(&mut self, items: Vec<(u64, WakeItem)>) {
+        self.items_in_store = false;
+        for (slot, item) in items {
+            self.insert(slot, item);
+        }
+        debug_assert_eq!(self.items.len() as u64, self.len, "the store holds every queued item");
     }
 
     /// Whether no item waits.
@@ -257,20 +299,24 @@ impl AgentQueue {
 
     /// The slot of the first waiting item.
     pub(crate) fn first_slot(&self) -> Option<u64> {
+        self.assert_items_in_memory();
         self.items.keys().next().copied()
     }
 
     /// The slot of the waiting item `item_id`.
     pub(crate) fn slot_of(&self, item_id: &str) -> Option<u64> {
+        self.assert_items_in_memory();
         self.queued_ids.get(item_id).copied()
     }
 
     /// The waiting item in `slot`.
     pub(crate) fn item(&self, slot: u64) -> Option<&WakeItem> {
+        self.assert_items_in_memory();
         self.items.get(&slot)
     }
 
     fn insert(&mut self, slot: u64, item: WakeItem) {
+        self.assert_items_in_memory();
         self.queued_ids.insert(item.id.clone(), slot);
         if !item.resume_after_restart {
             self.coverage
@@ -286,6 +332,7 @@ impl AgentQueue {
         let slot = SLOT_MIDDLE + self.back_taken;
         self.back_taken += 1;
         self.changed_slots.insert(slot);
+        self.len += 1;
         self.insert(slot, item);
     }
 
@@ -293,13 +340,16 @@ impl AgentQueue {
         let slot = SLOT_MIDDLE - 1 - self.front_taken;
         self.front_taken += 1;
         self.changed_slots.insert(slot);
+        self.len += 1;
         self.insert(slot, item);
     }
 
     /// Takes the item in `slot` out of the queue.
     pub(crate) fn remove(&mut self, slot: u64) -> Option<WakeItem> {
+        self.assert_items_in_memory();
         let item = self.items.remove(&slot)?;
         self.changed_slots.insert(slot);
+        self.len -= 1;
         self.queued_ids.remove(&item.id);
         if !item.resume_after_restart {
             let fingerprint = surface_fingerprint(&item.trigger_surface);
@@ -315,6 +365,7 @@ impl AgentQueue {
 
     /// Keeps the items `keep` accepts; returns the ids of the others, in queue order.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(&WakeItem) -> bool) -> Vec<String> {
+        self.assert_items_in_memory();
         let dropped: Vec<u64> = self.items.iter().filter(|(_, item)| !keep(item)).map(|(slot, _)| *slot).collect();
         dropped.into_iter().filter_map(|slot| self.remove(slot)).map(|item| item.id).collect()
     }
@@ -327,6 +378,7 @@ impl AgentQueue {
             settled_counter: self.settled_counter,
             back_taken: self.back_taken,
             front_taken: self.front_taken,
+            queued: self.queued_len() as u64,
         }
     }
 
@@ -337,6 +389,7 @@ impl AgentQueue {
         self.settled_counter = header.settled_counter;
         self.back_taken = header.back_taken;
         self.front_taken = header.front_taken;
+        self.len = header.queued;
     }
 
     /// Loads one queued item from a checkpoint, in slot order whatever order they come in.
@@ -346,6 +399,7 @@ impl AgentQueue {
 
     /// Queued items by slot, in queue order (the canonical encoding).
     pub fn slotted(&self) -> impl Iterator<Item = (u64, &WakeItem)> {
+        self.assert_items_in_memory();
         self.items.iter().map(|(slot, item)| (*slot, item))
     }
 
@@ -364,6 +418,7 @@ impl AgentQueue {
     /// a restart, and a moved cursor of their trigger surface at or past their trigger. Looks
     /// only at the items of the moved surfaces up to each cursor.
     fn covered_slots(&self, moved: &[(&SurfaceId, u64)]) -> Vec<u64> {
+        self.assert_items_in_memory();
         let mut slots = Vec::new();
         for (surface, cursor) in moved {
             let Some(entries) = self.coverage.get(&surface_fingerprint(surface)) else { continue };
@@ -414,6 +469,7 @@ impl State {
     /// Queues `item` unless its id is active, queued, or settled within the remembered window,
     /// or the agent's queue is full. Returns the reason when it was queued, else why not.
     pub(crate) fn queue_wake(&mut self, at: LogPosition, agent: &str, item: WakeItem) -> Result<WakeReason, NotQueued> {
+        self.ensure_queue(agent);
         let settled_at = self.agent_keys.key(agent).and_then(|agent| self.settled_at(agent, &item.id));
         if let Some(settled_at) = settled_at {
             if at.at_ns.saturating_sub(settled_at) < SETTLED_REMEMBERED_NS {
@@ -563,6 +619,7 @@ impl State {
     }
 
     pub(crate) fn claim_wake(&mut self, at: LogPosition, request: &proto::WakeClaimRequested) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let agent = request.agent_id.clone();
         if !self.agents.contains_key(&agent) {
             return refused(RefusalKind::InvalidArgument, format!("agent {agent:?} is not registered"));
@@ -647,6 +704,7 @@ impl State {
     }
 
     pub(crate) fn start_wake(&mut self, at: LogPosition, request: &proto::WakeStartRequested) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let agent = request.agent_id.clone();
         let Some(active) = self.queue(&agent).and_then(|q| q.active.clone()) else {
             return refused(RefusalKind::FailedPrecondition, "no wake of this agent is claimed");
@@ -752,6 +810,7 @@ impl State {
 
     /// A heartbeat extends a running wake's life and a claimed one's lease, by log time.
     pub(crate) fn record_heartbeat(&mut self, at: LogPosition, request: &proto::WakeHeartbeat) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let active = self.queue(&request.agent_id).and_then(|q| q.active.clone());
         match active {
             Some(active) if active.item.id == request.item_id && active.worker == request.worker_id => {
@@ -791,6 +850,7 @@ impl State {
     /// [`HEARTBEAT_SILENCE_NS`] in log time, to resume after the restart it implies, or a claimed
     /// wake never started within its lease, as it was (it moved no cursor).
     pub(crate) fn recover_wake(&mut self, at: LogPosition, request: &proto::WakeRecoveryRequested) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let Some(queue) = self.queues.get(&request.agent_id) else {
             return refused(RefusalKind::FailedPrecondition, "the agent has no claimed or running wake");
         };
@@ -818,6 +878,7 @@ impl State {
     }
 
     pub(crate) fn finish_wake(&mut self, at: LogPosition, request: &proto::WakeFinishRequested) -> Verdict {
+        self.ensure_queue(&request.agent_id);
         let agent = request.agent_id.clone();
         let Some(active) = self.queue(&agent).and_then(|q| q.active.clone()) else {
             return refused(RefusalKind::FailedPrecondition, "no wake of this agent is claimed or running");

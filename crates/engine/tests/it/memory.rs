@@ -236,6 +236,9 @@ async fn the_next_pass_is_queued_only_after_the_running_one_finishes() {
     let running = &plan.entries.iter().find(|e| e.status.as_str() == "open").expect("one open").agent;
     let done = run_agent(&fleet.engines[0], running).await;
     assert_eq!(done.len(), 1);
+    // The other instance plans from its own fold: let it see the finish first (a tick on a fold
+    // that lags only waits for the next tick; the fold judges every request where it lands).
+    fleet.settle().await;
     let next = fleet.engines[1].memory_tick(clock.now_ns()).await.expect("tick");
     assert_eq!(next.queued.len(), 1, "the next agent in slot order is queued once the first finished");
     fleet.shutdown.cancel();

@@ -125,10 +125,7 @@ impl Fixture {
     /// Ada's queued items as (item, resumes after a restart).
     fn queued(&self) -> Vec<(String, bool)> {
         let state = self.engine().projection().state();
-        state
-            .queue("ada")
-            .map(|q| q.queued().map(|i| (i.id.clone(), i.resume_after_restart)).collect())
-            .unwrap_or_default()
+        state.queued_items("ada").into_iter().map(|i| (i.id, i.resume_after_restart)).collect()
     }
 
     /// Waits until ada has nothing active and `item` is queued (the loop re-queued it).

@@ -378,3 +378,70 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
     assert_eq!(restored_at, last);
     assert!(restarted == reference.canonical_bytes(), "the restarted state differs");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_leaves_queued_wakes_in_the_checkpoint_until_the_fold_needs_them() {
+    // A restore loads the queues' headers only; an agent's queued wakes come into memory when
+    // the fold first touches its queue. Readers see them through the store meanwhile, and the
+    // verdicts after the restart and the final state equal a fold with everything in memory.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    let records = fleet_events(12, 6_000, 11);
+    let (before, after) = records.split_at(3_000);
+    log.append_batch(before.to_vec()).await.expect("append");
+    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let (_, _) = run_to_end(log.clone(), checkpoints.clone()).await;
+    let restart_at = log.last_seq().await.expect("last");
+    let mut reference = State::new();
+    let mut all = log.read(1, restart_at, None).await.expect("read");
+    while let Some(record) = all.next().await {
+        let record = record.expect("record");
+        reference.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+    }
+
+    let shutdown = CancellationToken::new();
+    let runner = Runner::start(log.clone(), checkpoints, config(), shutdown.clone()).await.expect("runner");
+    assert_eq!(runner.restored_seq, restart_at, "restored from the checkpoint");
+    let agents: Vec<String> = reference.agents.iter().map(|(agent, _)| agent.clone()).collect();
+    {
+        let restored = runner.projection.state();
+        let left_in_store: Vec<&String> =
+            agents.iter().filter(|a| restored.queue(a).is_some_and(|q| q.items_in_store())).collect();
+        assert!(!left_in_store.is_empty(), "the log leaves queued wakes and the restore loaded none of them");
+        for agent in &agents {
+            let expected: Vec<String> = reference.queued_items(agent).into_iter().map(|i| i.id).collect();
+            let seen: Vec<String> = restored.queued_items(agent).into_iter().map(|i| i.id).collect();
+            assert_eq!(seen, expected, "{agent}'s queue as a reader sees it before the fold needs it");
+            assert_eq!(
+                restored.queue(agent).map(|q| q.queued_len()),
+                reference.queue(agent).map(|q| q.queued_len()),
+                "{agent}'s queue length from its header"
+            );
+        }
+        assert!(restored.canonical_bytes() == reference.canonical_bytes(), "the restored state differs");
+    }
+    for slice in after.chunks(97) {
+        let appended = log.append_batch(slice.to_vec()).await.expect("append");
+        let last = appended.last().map(|a| a.seq()).unwrap_or(0);
+        runner.projection.wait_applied(last, WAIT).await.expect("applied");
+    }
+    let last = log.last_seq().await.expect("last");
+    let mut rest = log.read(restart_at + 1, last, None).await.expect("read");
+    while let Some(record) = rest.next().await {
+        let record = record.expect("record");
+        reference.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+    }
+    {
+        let live = runner.projection.state();
+        for seq in restart_at + 1..=last {
+            assert_eq!(live.verdict(seq), reference.verdict(seq), "the verdict of seq {seq} after the restart");
+        }
+        assert!(
+            agents.iter().all(|a| live.queue(a).is_none_or(|q| !q.items_in_store())),
+            "every agent's queue was touched after the restart, so its items came into memory"
+        );
+        assert!(live.canonical_bytes() == reference.canonical_bytes(), "the state after the restart differs");
+    }
+    shutdown.cancel();
+    runner.task.await.expect("join").expect("runner ends cleanly");
+}

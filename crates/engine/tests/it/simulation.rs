@@ -2051,13 +2051,12 @@ impl Model {
             let model = self.queues.get(agent).cloned().unwrap_or_default();
             let expected_queued: Vec<&str> = model.queued.iter().map(|i| i.id.as_str()).collect();
             let expected_active = model.active.as_ref().map(|a| (a.id.as_str(), a.started));
-            let (queued, active): (Vec<&str>, _) = match state.queue(agent) {
-                Some(q) => (
-                    q.queued().map(|i| i.id.as_str()).collect(),
-                    q.active.as_ref().map(|a| (a.item.id.as_str(), a.started_seq.is_some())),
-                ),
-                None => (Vec::new(), None),
-            };
+            let queued_items = state.queued_items(agent);
+            let queued: Vec<&str> = queued_items.iter().map(|i| i.id.as_str()).collect();
+            let active = state
+                .queue(agent)
+                .and_then(|q| q.active.as_ref())
+                .map(|a| (a.item.id.as_str(), a.started_seq.is_some()));
             if queued != expected_queued || active != expected_active {
                 return Err(format!(
                     "{agent}'s queue is {queued:?} active {active:?}; the model has {expected_queued:?} active {expected_active:?}"
