@@ -62,8 +62,10 @@ async fn a_malformed_server_list_is_a_configuration_error() {
     }
 }
 
-/// Events appended across the failovers.
-const FAILOVER_EVENTS: usize = 60_000;
+/// Events appended across the failovers. Each step lets the writer run up to
+/// [`WRITER_SLACK_EVENTS`] ahead of it, so what is left after the last kill's step and the
+/// step-down's must still hold the batches the freeze step waits for (checked there).
+const FAILOVER_EVENTS: usize = 70_000;
 /// Events per `append_batch` (one connector's burst).
 const FAILOVER_BATCH: usize = 1_000;
 /// The stream leader is killed once this many events were acknowledged, then once more for each
@@ -138,7 +140,7 @@ async fn connect_r3(cluster: &NatsCluster) -> JetStreamLog {
 }
 
 /// Given a 3-node cluster and an R3 stream, when the stream leader is killed (SIGKILL) three
-/// times while one writer appends 60,000 events (each failed batch retried with the same msg
+/// times while one writer appends 70,000 events (each failed batch retried with the same msg
 /// ids), and then the node the log is connected to freezes, then every event is stored exactly once, at the seq its ack reported: nothing
 /// acknowledged is lost, nothing is duplicated. Prints how long appends were unavailable after
 /// each kill (not asserted: speed is the report's, not the test's).
@@ -219,6 +221,11 @@ async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() 
     let frozen = log.connected_server();
     let frozen_node = cluster.node_named(&frozen).unwrap_or_else(|| panic!("connected to {frozen:?}, not a node"));
     let acknowledged_at_freeze = *progress.borrow();
+    // The writer may have run ahead by its slack; the freeze step needs two more batches.
+    assert!(
+        acknowledged_at_freeze + 2 * FAILOVER_BATCH <= FAILOVER_EVENTS,
+        "the writer ran to {acknowledged_at_freeze} of {FAILOVER_EVENTS}: no room left for the freeze step"
+    );
     open_gate(acknowledged_at_freeze + WRITER_SLACK_EVENTS);
     cluster.node(frozen_node).freeze();
     let frozen_at = tokio::time::Instant::now();
