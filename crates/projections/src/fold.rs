@@ -76,7 +76,7 @@ impl State {
             }
             None => return,
         };
-        self.verdicts.insert(at.seq, verdict);
+        self.verdicts.insert(at.seq, crate::state::KeptVerdict::new(verdict));
         // The window is one of sequences, not of verdicts (some events record none): two kept
         // verdicts never share a checkpoint slot (seq modulo the window).
         while self.verdicts.first_key().is_some_and(|first| *first + VERDICTS_KEPT_MAX as u64 <= at.seq) {
