@@ -24,7 +24,9 @@ use anima_projections::{LogPosition, State};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use prost::Message;
 
-use crate::measure::{thread_cpu_time, SplitMix64, Tally};
+use anima_engine::testing::SeededRng;
+
+use crate::measure::{thread_cpu_time, Tally};
 
 /// Events folded per iteration.
 pub const EVENTS_PER_ITERATION: usize = 100_000;
@@ -103,7 +105,7 @@ struct Dm {
 
 /// Builds the mix event by event, folding each into its own state.
 struct MixGenerator {
-    random: SplitMix64,
+    random: SeededRng,
     state: State,
     events: Vec<(LogPosition, Vec<u8>)>,
     at_ns: i64,
@@ -146,7 +148,7 @@ pub fn generate(seed: u64, total: usize) -> EventMix {
         })
         .collect();
     let mut generator = MixGenerator {
-        random: SplitMix64::new(seed),
+        random: SeededRng(seed),
         state: State::new(),
         events: Vec::with_capacity(total),
         at_ns: START_AT_NS,
@@ -262,7 +264,7 @@ impl MixGenerator {
         let channel = format!("C{channel_index:08}");
         let ts = self.ts_now();
         let parents = &self.thread_parents[channel_index];
-        let thread_ts = if !parents.is_empty() && self.random.chance(40) {
+        let thread_ts = if !parents.is_empty() && self.random.percent(40) {
             parents[self.random.below(parents.len() as u64) as usize].clone()
         } else {
             String::new()
@@ -276,7 +278,7 @@ impl MixGenerator {
             thread_ts: thread_ts.clone(),
             ..Default::default()
         };
-        let mentioned = if self.random.chance(8) {
+        let mentioned = if self.random.percent(8) {
             // An integration (CI, alerts) posting as a bot.
             self.counts.messages_other_bot += 1;
             message.subtype = "bot_message".into();
@@ -289,13 +291,13 @@ impl MixGenerator {
             let human = self.random.below(HUMANS_TOTAL as u64);
             message.user_id = format!("U{human:08}");
             message.user_name = format!("Person {human}");
-            let mention = self.random.chance(10).then(|| members[self.random.below(2) as usize]);
+            let mention = self.random.percent(10).then(|| members[self.random.below(2) as usize]);
             let text = self.text(3, 40);
             message.text = match mention {
                 Some(agent) => format!("<@{}> {text}", self.agents[agent].bot_user_id),
                 None => text,
             };
-            if self.random.chance(5) {
+            if self.random.percent(5) {
                 message.subtype = "file_share".into();
                 message.files = vec![proto::SlackFile {
                     name: format!("report-{}.pdf", self.random.below(1000)),
@@ -352,8 +354,8 @@ impl MixGenerator {
     fn agent_reply(&mut self) {
         let agent = self.random.below(AGENTS_TOTAL as u64) as usize;
         let target = match &self.wakes[agent] {
-            WakeProgress::Running { reply_to, .. } if self.random.chance(80) => reply_to.clone(),
-            _ if self.random.chance(60) => {
+            WakeProgress::Running { reply_to, .. } if self.random.percent(80) => reply_to.clone(),
+            _ if self.random.percent(60) => {
                 let dm = self.random.below(DMS_PER_AGENT as u64) as usize;
                 slack_target(&self.dms[agent * DMS_PER_AGENT + dm].channel, "")
             }
@@ -373,7 +375,7 @@ impl MixGenerator {
         let mut verdict = self.emit(Payload::Send(request.clone()));
         if matches!(verdict, Some(Verdict::Send(SendVerdict::Held(_)))) {
             self.counts.sends_held += 1;
-            if self.random.chance(30) {
+            if self.random.percent(30) {
                 return; // The agent rethinks after seeing what it missed.
             }
             verdict = self.emit(Payload::Send(request));
@@ -399,7 +401,7 @@ impl MixGenerator {
         self.counts.confirms += 1;
         // Slack echoes most posts back to the agent's own app.
         let Some(proto::reply_target::Target::Slack(slack)) = target.target else { return };
-        if self.random.chance(80) {
+        if self.random.percent(80) {
             let identity = &self.agents[agent];
             let echo = proto::SlackMessageObserved {
                 receiving_agent_id: identity.id.clone(),
@@ -481,7 +483,7 @@ impl MixGenerator {
                     self.wakes[agent] = WakeProgress::Running { item_id, worker, reply_to };
                 }
             }
-            WakeProgress::Running { item_id, worker, reply_to } if self.random.chance(35) => {
+            WakeProgress::Running { item_id, worker, reply_to } if self.random.percent(35) => {
                 // Still working: at most one heartbeat a minute per item reaches the log.
                 let heartbeat = proto::WakeHeartbeat { agent_id, worker_id: worker.clone(), item_id: item_id.clone() };
                 if let Some(Verdict::HeartbeatRecorded) = self.emit(Payload::WakeHeartbeat(heartbeat)) {

@@ -112,46 +112,6 @@ pub fn micros(duration: Duration) -> String {
     }
 }
 
-/// SplitMix64: small, fast, and reproducible from a printed seed.
-pub struct SplitMix64(u64);
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        SplitMix64(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform enough in `0..n` for picking inputs (`n` > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    /// True with `percent` % probability.
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    /// A random id in the textual form of a UUID (36 bytes), like the engine's event ids.
-    pub fn uuid_text(&mut self) -> String {
-        let (high, low) = (self.next_u64(), self.next_u64());
-        format!(
-            "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-            high >> 32,
-            (high >> 16) & 0xffff,
-            high & 0xffff,
-            low >> 48,
-            low & 0xffff_ffff_ffff
-        )
-    }
-}
-
 /// Criterion options that take a value: their value is not the filter.
 const CRITERION_OPTIONS_WITH_VALUE: [&str; 20] = [
     "-c",

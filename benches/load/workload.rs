@@ -173,7 +173,7 @@ impl Fleet {
     /// them mentions), 25% chat messages (p2p and group; a sixth of the group ones mentions),
     /// 10% Linear sessions (two created for every one prompted).
     fn observation(&self, n: u64) -> api::AppendRequest {
-        let spread = split_mix(n);
+        let spread = anima_engine::testing::split_mix(n.wrapping_add(0x9E37_79B9_7F4A_7C15));
         let text = TEXTS[(spread % TEXTS.len() as u64) as usize];
         let slot = n % MIX_PERIOD;
         let observation = if slot < 18 {
@@ -275,14 +275,6 @@ impl Fleet {
         };
         api::ReplyTarget { target: Some(target) }
     }
-}
-
-/// SplitMix64: spreads a counter over surfaces and texts without shared random state.
-fn split_mix(n: u64) -> u64 {
-    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Times `call` as `rpc`; `None` when it failed (recorded by code) or took longer than

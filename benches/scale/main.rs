@@ -20,6 +20,7 @@ use anima_engine::instance::{Backend, Instance, InstanceConfig};
 use anima_engine::log::embedded::EmbeddedConfig;
 use anima_engine::log::AppendRecord;
 use anima_engine::subject::{SubjectPrefix, Subjects};
+use anima_engine::testing::SeededRng;
 use anima_gateway::api;
 use anima_gateway::api::sends_client::SendsClient;
 use anima_projections::proto::{self, envelope::Payload};
@@ -61,19 +62,6 @@ struct Args {
     memory_budget_mib: u64,
 }
 
-/// A small seeded generator (SplitMix64): the history is the same for the same arguments.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        (z ^ (z >> 31)) % n
-    }
-}
-
 fn dm_of(surface: usize, agents: usize) -> (usize, String) {
     (surface % agents, format!("D{surface:08}"))
 }
@@ -110,7 +98,7 @@ fn registration(agent: usize) -> AppendRecord {
 
 /// Event `n` of the history after the registrations: mostly people writing into DMs, some sends
 /// by the DM's agent into it.
-fn history_event(n: usize, random: &mut SplitMix, args: &Args) -> AppendRecord {
+fn history_event(n: usize, random: &mut SeededRng, args: &Args) -> AppendRecord {
     let surface = random.below(args.surfaces as u64) as usize;
     let (agent, channel) = dm_of(surface, args.agents);
     if random.below(10) == 0 {
@@ -210,7 +198,7 @@ async fn write_history(data: &Path, args: &Args, events: usize) -> anyhow::Resul
     let instance = Instance::start(InstanceConfig::new(data, Backend::Embedded(EmbeddedConfig::default())))
         .await
         .context("open the data dir")?;
-    let mut random = SplitMix(0x5ca1e);
+    let mut random = SeededRng(0x5ca1e);
     let mut batch = Vec::with_capacity(APPEND_CHUNK);
     let mut reported = Instant::now();
     let mut round = 0;
@@ -258,7 +246,7 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     let rss_started_mib = rss_kib(engine.pid).unwrap_or(0) as f64 / 1024.0;
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", engine.grpc_addr))?.connect().await?;
     let mut sends = SendsClient::new(channel);
-    let mut random = SplitMix(0x5e4d);
+    let mut random = SeededRng(0x5e4d);
     let mut latencies = Vec::with_capacity(args.sends);
     for _ in 0..args.sends {
         let (agent, channel) = dm_of(random.below(args.surfaces as u64) as usize, args.agents);

@@ -345,6 +345,14 @@ fn log_tail(path: &Path) -> String {
     }
 }
 
+/// SplitMix64's mixing step: spreads `z` over all 64 bits (a counter into a pseudo-random value,
+/// with no state shared between callers).
+pub fn split_mix(z: u64) -> u64 {
+    let z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Seeded randomness for tests that must replay a failing seed: SplitMix64 (tiny, no dependency,
 /// the same on every platform).
 #[derive(Clone, Debug)]
@@ -353,10 +361,20 @@ pub struct SeededRng(pub u64);
 impl SeededRng {
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        split_mix(self.0)
+    }
+
+    /// A random id in the textual form of a UUID (36 bytes), like the engine's event ids.
+    pub fn uuid_text(&mut self) -> String {
+        let (high, low) = (self.next_u64(), self.next_u64());
+        format!(
+            "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+            high >> 32,
+            (high >> 16) & 0xffff,
+            high & 0xffff,
+            low >> 48,
+            low & 0xffff_ffff_ffff
+        )
     }
 
     /// In `0..n` (0 when `n` is 0).
