@@ -90,7 +90,7 @@ impl KeptVerdict {
         if let Some(verdict) = self.decoded.get() {
             return Some(verdict);
         }
-        let decoded = postcard::from_bytes::<Verdict>(self.stored.as_deref()?).ok()?;
+        let decoded = decode::<Verdict>("verdicts", self.stored.as_deref()?).ok()?;
         Some(self.decoded.get_or_init(|| decoded))
     }
 }
