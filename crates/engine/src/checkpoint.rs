@@ -1,7 +1,16 @@
-//! Checkpoints of the projection state in sled: only changed keys, written in one atomic batch
-//! together with the fold version and the stream identity (the applied seq is part of the
-//! state's meta entry). A checkpoint from another fold version or another stream is discarded and
-//! the state rebuilt from the log.
+//! Checkpoints of the projection state in sled: only changed keys, together with the fold version
+//! and the stream identity (the applied seq is part of the state's meta entry). A checkpoint from
+//! another fold version or another stream is discarded and the state rebuilt from the log.
+//!
+//! A checkpoint is all or nothing without a sled batch. A sled batch takes sled's process-wide
+//! lock exclusively, so a checkpoint of thousands of entries written as one stalled every other
+//! sled operation of the process for its whole length — the log's appends, the fold's reads of
+//! cold state, the body reads of rendering — by 100 ms and more under load. Instead the whole
+//! change set is first written as one value ([`PENDING_KEY`], a redo record), then applied entry
+//! by entry with plain inserts (which share that lock), then the redo record is removed. sled
+//! recovers a prefix of its operations, so after a crash the store holds either the previous
+//! checkpoint untouched (the redo record never landed) or the redo record, which the next
+//! restore applies again, whole, before it reads anything: never a mix.
 
 use anima_projections::state::{State, FOLD_VERSION};
 
@@ -18,6 +27,12 @@ pub const STREAM_KEY: &[u8] = b"m:stream";
 /// (aborted while its write was still on the blocking pool, a crash simulated in-process) can
 /// never land a write after its successor's: a checkpoint is never a mix of two runners.
 pub const EPOCH_KEY: &[u8] = b"m:epoch";
+/// The change set of the checkpoint being written, whole (postcard of its (key, value or removal)
+/// pairs): written before its entries, removed after them (see the module's documentation).
+pub const PENDING_KEY: &[u8] = b"m:pending";
+
+/// A checkpoint's change set: full tree keys, each with its new value or `None` (removed).
+type ChangeSet = Vec<(Vec<u8>, Option<Vec<u8>>)>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -45,6 +60,9 @@ pub struct CheckpointStore {
     tree: sled::Tree,
     /// Set by fault injection: every later write fails without touching sled.
     fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set by fault injection: the next write stops after its redo record and this many
+    /// entries, as a crash would leave it.
+    tear_next_write_after: std::sync::Arc<std::sync::Mutex<Option<usize>>>,
     /// This store's epoch, taken by its last restore (0: never restored, writes take none).
     epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
@@ -53,7 +71,13 @@ impl CheckpointStore {
     /// Opens (or creates) the checkpoint tree `name` in `db`.
     pub fn open(db: sled::Db, name: &str) -> Result<Self, CheckpointError> {
         let tree = db.open_tree(name)?;
-        Ok(CheckpointStore { db, tree, fail_writes: Default::default(), epoch: Default::default() })
+        Ok(CheckpointStore {
+            db,
+            tree,
+            fail_writes: Default::default(),
+            tear_next_write_after: Default::default(),
+            epoch: Default::default(),
+        })
     }
 
     /// Fault injection for tests and simulations: from now on every write fails, as a full or
@@ -61,6 +85,13 @@ impl CheckpointStore {
     /// unhealthy) is what supervision is tested with.
     pub fn inject_write_failure(&self) {
         self.fail_writes.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Fault injection for tests: the next write lands its redo record and its first `entries`
+    /// entries, then fails with [`CheckpointError::Injected`] and writes nothing more, as a crash
+    /// in the middle of a checkpoint leaves the store (flushed, so a reopen sees it).
+    pub fn inject_torn_write(&self, entries: usize) {
+        *self.tear_next_write_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(entries);
     }
 
     /// The checkpointed state if it was taken by this fold version on this stream; otherwise
@@ -73,6 +104,21 @@ impl CheckpointStore {
             // The epoch first: any write of an earlier runner that has not landed yet is refused
             // from here on, so what is read below is one runner's checkpoint, whole.
             let epoch = take_epoch(&tree, &db)?;
+            // A checkpoint a crash interrupted is completed from its redo record first.
+            if let Some(pending) = tree.get(PENDING_KEY)? {
+                match postcard::from_bytes::<ChangeSet>(&pending) {
+                    Ok(changes) => {
+                        tracing::info!(entries = changes.len(), "completing the checkpoint a crash interrupted");
+                        apply_changes(&tree, &changes, usize::MAX)?;
+                        tree.remove(PENDING_KEY)?;
+                        db.flush()?;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the interrupted checkpoint's redo record does not decode");
+                        tree.clear()?;
+                    }
+                }
+            }
             let version_ok = tree.get(FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
             let stream_ok = tree.get(STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
             if version_ok && stream_ok {
@@ -134,7 +180,7 @@ impl CheckpointStore {
     }
 
     /// Writes changed entries (state and analytics counters), the fold version and the stream
-    /// identity in one batch (flushed when `durable`).
+    /// identity, all or nothing through the redo record (flushed when `durable`).
     pub async fn write(
         &self,
         stream_identity: &str,
@@ -149,41 +195,49 @@ impl CheckpointStore {
         let tree = self.tree.clone();
         let stream_identity = stream_identity.to_owned();
         let own = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
+        let tear_after = self.tear_next_write_after.lock().unwrap_or_else(|p| p.into_inner()).take();
         tokio::task::spawn_blocking(move || {
-            let mut batch = sled::Batch::default();
             let prefixed = changes
                 .into_iter()
                 .map(|change| (STATE_PREFIX, change))
                 .chain(analytics_changes.into_iter().map(|change| (ANALYTICS_PREFIX, change)));
-            for (prefix, (key, value)) in prefixed {
-                let mut full = Vec::with_capacity(key.len() + 1);
-                full.push(prefix);
-                full.extend(key);
-                match value {
-                    Some(value) => batch.insert(full, value),
-                    None => batch.remove(full),
-                }
-            }
-            batch.insert(FOLD_VERSION_KEY, &FOLD_VERSION.to_be_bytes()[..]);
-            batch.insert(STREAM_KEY, stream_identity.as_bytes());
+            let mut changes: ChangeSet = prefixed
+                .map(|(prefix, (key, value))| {
+                    let mut full = Vec::with_capacity(key.len() + 1);
+                    full.push(prefix);
+                    full.extend(key);
+                    (full, value)
+                })
+                .collect();
+            changes.push((FOLD_VERSION_KEY.to_vec(), Some(FOLD_VERSION.to_be_bytes().to_vec())));
+            changes.push((STREAM_KEY.to_vec(), Some(stream_identity.into_bytes())));
+            let redo = postcard::to_stdvec(&changes).expect("a change set encodes");
             // Applied only while this runner still owns the checkpoint (see EPOCH_KEY): the
-            // epoch is read and the batch applied under the process's epoch guard, which a
+            // epoch is read and the write applied under the process's epoch guard, which a
             // restore takes too, so no restore can come between the check and the write. (Two
-            // processes never share a data dir: sled locks it.) A plain batch, not a sled
-            // transaction: a transaction reads every key it writes and buffers the whole write
-            // set, which under load cost more CPU and memory than the rest of the checkpoint.
+            // processes never share a data dir: sled locks it.) Not a sled transaction either: a
+            // transaction reads every key it writes and buffers the whole write set, which under
+            // load cost more CPU and memory than the rest of the checkpoint.
             {
                 let _guard = EPOCH_GUARD.lock().unwrap_or_else(|p| p.into_inner());
                 let stored = tree.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch);
                 if own != 0 && stored != own {
                     return Err(CheckpointError::Superseded { own, stored });
                 }
-                tree.apply_batch(batch)?;
+                tree.insert(PENDING_KEY, redo)?;
+                if let Some(entries) = tear_after {
+                    apply_changes(&tree, &changes, entries)?;
+                    db.flush()?;
+                    return Err(CheckpointError::Injected);
+                }
+                apply_changes(&tree, &changes, usize::MAX)?;
+                tree.remove(PENDING_KEY)?;
             }
             // Not flushed here: sled writes its buffers out within its flush interval, and a
             // checkpoint lost to a crash only means the restart refolds a little more of the log
-            // (sled recovers a prefix of its batches, so what is restored is one whole
-            // checkpoint). The last checkpoint of a stopping runner is flushed.
+            // (sled recovers a prefix of its operations, so what is restored is one whole
+            // checkpoint, completed from its redo record if need be). The last checkpoint of a
+            // stopping runner is flushed.
             if durable {
                 db.flush()?;
             }
@@ -236,6 +290,18 @@ impl anima_projections::cold::ColdStore for SledCold {
             .map(|entry| entry.map(|(k, v)| (k[1..].to_vec(), v.to_vec())).map_err(|e| e.to_string()))
             .collect()
     }
+}
+
+/// Applies the first `max` entries of `changes` to `tree`, one plain operation each (no batch:
+/// see the module's documentation).
+fn apply_changes(tree: &sled::Tree, changes: &ChangeSet, max: usize) -> Result<(), CheckpointError> {
+    for (key, value) in changes.iter().take(max) {
+        match value {
+            Some(value) => tree.insert(key, value.as_slice())?,
+            None => tree.remove(key)?,
+        };
+    }
+    Ok(())
 }
 
 /// Takes the next epoch of the checkpoint in `tree` and makes it durable.

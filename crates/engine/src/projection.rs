@@ -214,7 +214,9 @@ impl Runner {
         let restoring = Instant::now();
         let mut state =
             checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
-        state.attach_cold(Cold::new(Arc::new(SledCold::new(&checkpoints))));
+        // A checkpoint at seq 0 folded nothing, so it left nothing cold in the store either.
+        let restored = state.meta.applied_seq > 0;
+        state.attach_cold(Cold::new(Arc::new(SledCold::new(&checkpoints))), restored);
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(

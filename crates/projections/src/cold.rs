@@ -15,7 +15,10 @@
 //! from the checkpoint and the log). Deciding on a guess is never an option.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::hash::Hash;
 use std::sync::Arc;
+
+use crate::hashed::{HashedMap, HashedSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -106,33 +109,34 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
     }
 }
 
-/// An ordered table whose clean entries may be let go and read back from the checkpoint store.
+/// A table whose clean entries may be let go and read back from the checkpoint store.
+///
+/// Hashed, not ordered: its lookups are most of what the fold does per event, and nothing reads
+/// it in order but the canonical encoding ([`ColdTable::all_entries`]) and the checkpoint
+/// ([`ColdTable::drain_changes`]), which sort what they return.
 ///
 /// In memory a key is present (`Some`), known absent (`None`: removed, or looked up and not
 /// stored), or unknown (not in the map: let go, or never loaded). Only unknown keys are read
 /// from the store, and only by [`ColdTable::ensure`]. While every entry is in memory
 /// (`complete`, e.g. a state folded from the log without a store) reads need no `ensure`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ColdTable<K: Ord + Clone, V, S = OwnKeys> {
-    map: BTreeMap<K, Option<V>>,
-    dirty: BTreeSet<K>,
+pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
+    map: HashedMap<K, Option<V>>,
+    dirty: HashedSet<K>,
     /// Present entries in memory.
     present: usize,
     /// Whether every entry is in memory (nothing let go, nothing left in the store).
     complete: bool,
-    /// Where the last [`ColdTable::evict`] stopped, so the next one goes on from there.
-    hand: Option<K>,
     slots: std::marker::PhantomData<S>,
 }
 
-impl<K: Ord + Clone, V, S> Default for ColdTable<K, V, S> {
+impl<K: Ord + Hash + Clone, V, S> Default for ColdTable<K, V, S> {
     fn default() -> Self {
         ColdTable {
-            map: BTreeMap::new(),
-            dirty: BTreeSet::new(),
+            map: HashedMap::default(),
+            dirty: HashedSet::default(),
             present: 0,
             complete: true,
-            hand: None,
             slots: std::marker::PhantomData,
         }
     }
@@ -140,7 +144,7 @@ impl<K: Ord + Clone, V, S> Default for ColdTable<K, V, S> {
 
 impl<K, V, S> ColdTable<K, V, S>
 where
-    K: Ord + Clone + Serialize + for<'de> Deserialize<'de>,
+    K: Ord + Hash + Clone + Serialize + for<'de> Deserialize<'de>,
     V: Serialize + for<'de> Deserialize<'de>,
     S: Slots<K, V>,
 {
@@ -256,16 +260,6 @@ where
         old
     }
 
-    /// Present entries in memory, in key order (the whole table only while complete).
-    pub fn iter_resident(&self) -> impl Iterator<Item = (&K, &V)> {
-        self.map.iter().filter_map(|(k, v)| v.as_ref().map(|v| (k, v)))
-    }
-
-    /// Present entries in memory in `range`.
-    pub fn range_resident<R: std::ops::RangeBounds<K>>(&self, range: R) -> impl Iterator<Item = (&K, &V)> {
-        self.map.range(range).filter_map(|(k, v)| v.as_ref().map(|v| (k, v)))
-    }
-
     /// Present entries in memory.
     pub fn resident_len(&self) -> usize {
         self.present
@@ -334,31 +328,13 @@ where
         self.dirty.len()
     }
 
-    /// Lets go of up to `max` clean entries, going on from where the last call stopped. Call only
-    /// when the store holds every clean entry's latest value (no checkpoint write in flight).
-    /// Returns how many present entries left memory.
+    /// Lets go of up to `max` clean entries (in hash order: which ones is not part of the state,
+    /// since a verdict never depends on what is in memory). Call only when the store holds every
+    /// clean entry's latest value (no checkpoint write in flight). Returns how many present
+    /// entries left memory.
     pub fn evict(&mut self, max: usize) -> usize {
         self.complete = false;
-        let chosen: Vec<K> = {
-            let after_hand = match self.hand.take() {
-                Some(hand) => {
-                    let wrapped = self.map.range(..hand.clone());
-                    Box::new(self.map.range(hand..).chain(wrapped)) as Box<dyn Iterator<Item = (&K, &Option<V>)>>
-                }
-                None => Box::new(self.map.iter()),
-            };
-            let mut chosen = Vec::new();
-            for (key, _) in after_hand {
-                if chosen.len() == max {
-                    self.hand = Some(key.clone());
-                    break;
-                }
-                if !self.dirty.contains(key) {
-                    chosen.push(key.clone());
-                }
-            }
-            chosen
-        };
+        let chosen: Vec<K> = self.map.keys().filter(|key| !self.dirty.contains(*key)).take(max).cloned().collect();
         let mut let_go = 0;
         for key in chosen {
             if let Some(Some(_)) = self.map.remove(&key) {

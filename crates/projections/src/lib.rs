@@ -11,6 +11,7 @@ pub mod cursor;
 pub mod do_not_contact;
 pub mod failure_notice;
 pub mod fold;
+pub mod hashed;
 pub mod intern;
 pub mod journal;
 pub mod linear;

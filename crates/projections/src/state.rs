@@ -369,12 +369,16 @@ macro_rules! state_tables {
                 [$($ctag,)* QUEUE_ITEMS_TAG].contains(&tag)
             }
 
-            /// Backs the cold tables with `cold`: entries not in memory are read from it. Call
-            /// on a state restored without its cold entries.
-            pub fn attach_cold(&mut self, cold: Cold) {
+            /// Backs the cold tables with `cold`. `restored`: the state was restored from a
+            /// checkpoint without its cold entries, so entries not in memory are read from the
+            /// store. Otherwise the store holds nothing of this state yet and every table stays
+            /// complete (a key not in memory is absent, with no read) until entries leave memory.
+            pub fn attach_cold(&mut self, cold: Cold, restored: bool) {
                 self.cold = cold;
-                $( self.$cfield.set_backed(); )*
-                self.queues.load_each_mut(|_, queue| queue.leave_items_in_store());
+                if restored {
+                    $( self.$cfield.set_backed(); )*
+                    self.queues.load_each_mut(|_, queue| queue.leave_items_in_store());
+                }
             }
 
             /// Lets go of up to `max` clean entries of each cold table (see [`crate::cold`]);

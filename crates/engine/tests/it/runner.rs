@@ -193,6 +193,37 @@ async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
     drop(db);
 }
 
+/// A crash in the middle of a checkpoint (its redo record and a few of its entries landed, the
+/// rest not) leaves a checkpoint that the next start completes from the redo record: it resumes
+/// from the torn checkpoint's seq, not from the one before and not from zero, and reaches the
+/// state a fresh fold of the log gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_torn_by_a_crash_is_completed_at_the_next_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    log.append_batch(events(300, "a")).await.expect("append");
+    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    run_to_end(log.clone(), checkpoints.clone()).await;
+    let whole = checkpoints.checkpointed_seq().expect("seq");
+
+    // The next runner's first checkpoint lands its redo record and two entries, then "crashes".
+    log.append_batch(events(200, "b")).await.expect("append");
+    let torn = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    torn.inject_torn_write(2);
+    let runner = Runner::start(log.clone(), torn.clone(), config(), CancellationToken::new()).await.expect("runner");
+    let ended = tokio::time::timeout(WAIT, runner.task).await.expect("the runner stops on its own").expect("join");
+    assert!(ended.expect_err("the torn write fails").to_string().contains("injected"));
+    let tree = db.open_tree("checkpoint").expect("tree");
+    assert!(tree.get(anima_engine::checkpoint::PENDING_KEY).expect("get").is_some(), "the store is torn");
+
+    let after = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let (resumed, restored_at) = run_to_end(log.clone(), after).await;
+    assert!(restored_at > whole, "resumed from the torn checkpoint ({restored_at}), after {whole}");
+    assert_eq!(resumed, fresh_fold(&log).await, "the completed checkpoint is exact");
+    assert!(tree.get(anima_engine::checkpoint::PENDING_KEY).expect("get").is_none(), "completed");
+    drop(db);
+}
+
 /// A runner that was replaced cannot write over its successor: once another runner restored the
 /// checkpoint, the old one's write is refused (and applies nothing), so a checkpoint is never a
 /// mix of two runners — e.g. a runner aborted while its write still waited on the blocking pool.

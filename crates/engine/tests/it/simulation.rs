@@ -222,7 +222,7 @@ enum Step {
     },
     /// Opt-in (`ANIMA_SIM_TORN=1`): a node dies and its checkpoint is torn between its items and
     /// its meta entry: the items of the newest checkpoint with the meta entry (applied seq) of
-    /// the one before. sled's atomic batch makes this unreachable through the engine.
+    /// the one before. The checkpoint's redo record makes this unreachable through the engine.
     TornCheckpoint {
         node: usize,
     },

@@ -191,7 +191,7 @@ impl Scenario {
     fn evicting() -> Self {
         let mut scenario = Scenario { evict_always: true, ..Scenario::default() };
         let store: Arc<dyn ColdStore> = scenario.checkpoint.clone();
-        scenario.log.state.attach_cold(Cold::new(store));
+        scenario.log.state.attach_cold(Cold::new(store), true);
         scenario.register_agents();
         scenario
     }
