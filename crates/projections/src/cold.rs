@@ -91,6 +91,13 @@ pub trait Slots<K, V> {
     fn holds(key: &K, value: &V) -> bool;
     /// The key of a value read from `slot`.
     fn key_of(slot: K, value: &V) -> K;
+    /// Whether the table counts the keys it let go of (see [`ColdTable`]), so that a key it
+    /// never let go of is known absent without a read. Only tables that store each key as itself:
+    /// in a table of slots a newer key overwrites an older one's slot in the store, so a count
+    /// per key could not be kept exact without reading.
+    fn counts_let_go() -> bool {
+        false
+    }
 }
 
 /// Every key stored as itself.
@@ -107,6 +114,9 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
     fn key_of(slot: K, _: &V) -> K {
         slot
     }
+    fn counts_let_go() -> bool {
+        true
+    }
 }
 
 /// A table whose clean entries may be let go and read back from the checkpoint store.
@@ -119,6 +129,15 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
 /// stored), or unknown (not in the map: let go, or never loaded). Only unknown keys are read
 /// from the store, and only by [`ColdTable::ensure`]. While every entry is in memory
 /// (`complete`, e.g. a state folded from the log without a store) reads need no `ensure`.
+///
+/// Most lookups of a dedupe table are of keys it never held (a new message's identity, a new
+/// wake's id), and once entries were let go each of them would be a store read that finds
+/// nothing. So a table that stores keys as themselves counts, by a fingerprint of the key, the
+/// entries it let go of ([`ColdTable::let_go`]): an unknown key whose fingerprint counts none
+/// was never let go, so it is known absent without a read. A fingerprint shared by other keys
+/// only costs a read; nothing is guessed. The count is known only for a table that started
+/// empty in this process: a table restored from a checkpoint (whose entries may be anything)
+/// reads every unknown key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
     map: HashedMap<K, Option<V>>,
@@ -127,19 +146,30 @@ pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
     present: usize,
     /// Whether every entry is in memory (nothing let go, nothing left in the store).
     complete: bool,
+    /// Present entries let go of and stored, by key fingerprint; `None` when not known (a
+    /// restored table, or one of slots).
+    let_go: Option<HashedMap<u64, u32>>,
     slots: std::marker::PhantomData<S>,
 }
 
-impl<K: Ord + Hash + Clone, V, S> Default for ColdTable<K, V, S> {
+impl<K: Ord + Hash + Clone, V, S: Slots<K, V>> Default for ColdTable<K, V, S> {
     fn default() -> Self {
         ColdTable {
             map: HashedMap::default(),
             dirty: HashedSet::default(),
             present: 0,
             complete: true,
+            let_go: S::counts_let_go().then(HashedMap::default),
             slots: std::marker::PhantomData,
         }
     }
+}
+
+/// The fingerprint of a cold key: a hash with another seed than the tables' own.
+fn fingerprint<K: Hash>(key: &K) -> u64 {
+    use std::hash::BuildHasher;
+    const SEED: u64 = 0x636f_6c64_5f66_7072;
+    foldhash::fast::FixedState::with_seed(SEED).hash_one(key)
 }
 
 impl<K, V, S> ColdTable<K, V, S>
@@ -171,11 +201,28 @@ where
         if self.complete || self.map.contains_key(key) {
             return;
         }
-        let value = Self::read_stored(tag, key, cold);
+        let value = match self.let_go.as_ref() {
+            Some(let_go) if !let_go.contains_key(&fingerprint(key)) => None,
+            _ => Self::read_stored(tag, key, cold),
+        };
         if value.is_some() {
             self.present += 1;
+            self.count_back(key);
         }
         self.map.insert(key.clone(), value);
+    }
+
+    /// `key`, let go of and stored, is back in memory: no longer counted.
+    fn count_back(&mut self, key: &K) {
+        let Some(let_go) = self.let_go.as_mut() else { return };
+        let print = fingerprint(key);
+        match let_go.get_mut(&print) {
+            Some(count) if *count > 1 => *count -= 1,
+            Some(_) => {
+                let_go.remove(&print);
+            }
+            None => debug_assert!(false, "a key read back from the store was not counted as let go"),
+        }
     }
 
     /// Brings every key of `keys` into memory with one scan of the store's entries under
@@ -187,10 +234,14 @@ where
             return;
         }
         let wanted: BTreeSet<K> = keys.filter(|key| !self.map.contains_key(key)).collect();
-        for (stored_key, bytes) in cold.scan(prefix) {
+        let none_let_go =
+            self.let_go.as_ref().is_some_and(|let_go| wanted.iter().all(|key| !let_go.contains_key(&fingerprint(key))));
+        let stored = if none_let_go { Vec::new() } else { cold.scan(prefix) };
+        for (stored_key, bytes) in stored {
             let (key, value) = Self::decode_stored(&stored_key, &bytes);
             if wanted.contains(&key) && !self.map.contains_key(&key) {
                 self.present += 1;
+                self.count_back(&key);
                 self.map.insert(key, Some(value));
             }
         }
@@ -205,7 +256,20 @@ where
         self.map.get(key).and_then(Option::as_ref)
     }
 
+    /// A write over `key` without [`ColdTable::ensure`]: if `key` may be one the table let go
+    /// of, the count can no longer be kept exact, so the table stops counting (every unknown
+    /// key is read from then on). Writers that keep the count ensure the key first.
+    fn write_over_unknown(&mut self, key: &K) {
+        if self.complete || self.map.contains_key(key) {
+            return;
+        }
+        if self.let_go.as_ref().is_some_and(|let_go| let_go.contains_key(&fingerprint(key))) {
+            self.let_go = None;
+        }
+    }
+
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        self.write_over_unknown(&key);
         self.dirty.insert(key.clone());
         let old = self.map.insert(key, Some(value)).flatten();
         if old.is_none() {
@@ -217,6 +281,7 @@ where
     /// Removes `key` whether or not it is in memory (no read of the store): the next checkpoint
     /// removes it there too.
     pub fn forget(&mut self, key: K) {
+        self.write_over_unknown(&key);
         if self.complete {
             if self.map.remove(&key).flatten().is_some() {
                 self.present -= 1;
@@ -319,9 +384,16 @@ where
         }
     }
 
-    /// Marks the table as backed by the store: entries not in memory are read from it.
+    /// Marks the table as backed by the store: entries not in memory are read from it (all of
+    /// them: what the store holds is not counted).
     pub fn set_backed(&mut self) {
         self.complete = false;
+        self.let_go = None;
+    }
+
+    /// Fingerprints counted as let go (what the count costs in memory); 0 when not counting.
+    pub fn let_go_len(&self) -> usize {
+        self.let_go.as_ref().map_or(0, HashedMap::len)
     }
 
     pub fn changed_len(&self) -> usize {
@@ -333,12 +405,25 @@ where
     /// clean entry's latest value (no checkpoint write in flight). Returns how many present
     /// entries left memory.
     pub fn evict(&mut self, max: usize) -> usize {
-        self.complete = false;
+        if self.complete {
+            // A complete table drops removed keys from memory; once it is not complete, an
+            // absent key would be read from the store, which still holds a removal that is not
+            // written yet: keep those known absent.
+            for key in &self.dirty {
+                if !self.map.contains_key(key) {
+                    self.map.insert(key.clone(), None);
+                }
+            }
+            self.complete = false;
+        }
         let chosen: Vec<K> = self.map.keys().filter(|key| !self.dirty.contains(*key)).take(max).cloned().collect();
         let mut let_go = 0;
         for key in chosen {
             if let Some(Some(_)) = self.map.remove(&key) {
                 let_go += 1;
+                if let Some(counted) = self.let_go.as_mut() {
+                    *counted.entry(fingerprint(&key)).or_default() += 1;
+                }
             }
         }
         self.present -= let_go;

@@ -409,7 +409,11 @@ impl State {
             let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
             self.identity_order.ensure(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
             if let Some((_, old_ts)) = self.identity_order.remove(&oldest) {
-                self.identities.forget((surface, old_ts));
+                // Ensured first (a read only if it may have left memory), so the identities'
+                // count of what they let go of stays exact.
+                let old = (surface, old_ts);
+                self.identities.ensure(crate::state::IDENTITIES_TAG, &old, &self.cold);
+                self.identities.forget(old);
             }
         }
     }

@@ -183,6 +183,9 @@ pub struct State {
 /// What one entry of a cold table takes in memory, roughly (a row's metadata with its ids and
 /// the map node; an identity is smaller), for [`State::memory_estimate_bytes`].
 pub const COLD_ENTRY_BYTES: usize = 192;
+/// What one fingerprint of an entry a cold table let go of takes, roughly (see
+/// [`crate::cold::ColdTable`]).
+const COUNTED_LET_GO_BYTES: usize = 24;
 /// What one entry of any other table takes, roughly (queued wakes are counted per item).
 const HOT_ENTRY_BYTES: usize = 160;
 /// What one queued or active wake takes, roughly (its item, trigger row and surfaces).
@@ -393,8 +396,13 @@ macro_rules! state_tables {
                 0 $(+ self.$cfield.resident_len())*
             }
 
+            /// Fingerprints the cold tables keep of entries they let go of.
+            pub fn cold_counted_len(&self) -> usize {
+                0 $(+ self.$cfield.let_go_len())*
+            }
+
             /// The name of the table with this tag.
-            fn table_of_tag(tag: u8) -> Option<&'static str> {
+            pub fn table_of_tag(tag: u8) -> Option<&'static str> {
                 match tag {
                     $( $tag => Some(stringify!($field)), )*
                     $( $ctag => Some(stringify!($cfield)), )*
@@ -618,7 +626,10 @@ impl State {
             + self.do_not_contact.get(&()).map_or(0, |c| c.lists.values().map(|users| users.len() + 1).sum())
             + self.surfaces.len()
             + self.agent_keys.len();
-        self.cold_resident_len() * COLD_ENTRY_BYTES + hot_entries * HOT_ENTRY_BYTES + queued * QUEUED_WAKE_BYTES
+        self.cold_resident_len() * COLD_ENTRY_BYTES
+            + self.cold_counted_len() * COUNTED_LET_GO_BYTES
+            + hot_entries * HOT_ENTRY_BYTES
+            + queued * QUEUED_WAKE_BYTES
     }
 
     /// Whether the fold stopped deciding at or before `seq`.

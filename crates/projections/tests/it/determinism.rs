@@ -161,9 +161,10 @@ struct Scenario {
     anna_variant: bool,
 }
 
-/// A key-value checkpoint store in memory, readable as the fold's cold store.
+/// A key-value checkpoint store in memory, readable as the fold's cold store; it counts the
+/// reads of each table.
 #[derive(Default)]
-struct MemoryStore(Mutex<BTreeMap<Vec<u8>, Vec<u8>>>);
+struct MemoryStore(Mutex<BTreeMap<Vec<u8>, Vec<u8>>>, Mutex<BTreeMap<&'static str, u64>>);
 
 impl MemoryStore {
     fn entries(&self) -> BTreeMap<Vec<u8>, Vec<u8>> {
@@ -173,6 +174,8 @@ impl MemoryStore {
 
 impl ColdStore for MemoryStore {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
+        let table = key.first().and_then(|tag| State::table_of_tag(*tag)).unwrap_or("?");
+        *self.1.lock().unwrap().entry(table).or_default() += 1;
         Ok(self.0.lock().unwrap().get(key).cloned())
     }
 
@@ -188,10 +191,13 @@ impl ColdStore for MemoryStore {
 
 impl Scenario {
     /// A scenario whose state keeps nothing cold in memory (see `Scenario::evict_always`).
-    fn evicting() -> Self {
+    /// `restored`: the state is backed as a restored one is, reading every key it does not
+    /// hold from the store; otherwise it started empty and counts what it let go of, reading
+    /// only keys that may have left memory (see `ColdTable`).
+    fn evicting(restored: bool) -> Self {
         let mut scenario = Scenario { evict_always: true, ..Scenario::default() };
         let store: Arc<dyn ColdStore> = scenario.checkpoint.clone();
-        scenario.log.state.attach_cold(Cold::new(store), true);
+        scenario.log.state.attach_cold(Cold::new(store), restored);
         scenario.register_agents();
         scenario
     }
@@ -586,24 +592,26 @@ fn run(actions: &[Action]) -> Scenario {
 /// verdict and the canonical state must be the same (a verdict never depends on memory).
 fn run_with_and_without_eviction(actions: &[Action]) {
     let kept = run(actions);
-    let mut evicting = Scenario::evicting();
-    for action in actions {
-        evicting.act(action);
-    }
-    evicting.check_replays();
-    assert_eq!(kept.log.events.len(), evicting.log.events.len());
-    for seq in 1..=kept.log.events.len() as u64 {
-        assert_eq!(
-            kept.log.state.verdict(seq),
-            evicting.log.state.verdict(seq),
-            "the verdict of seq {seq} depends on what was in memory"
+    for restored in [false, true] {
+        let mut evicting = Scenario::evicting(restored);
+        for action in actions {
+            evicting.act(action);
+        }
+        evicting.check_replays();
+        assert_eq!(kept.log.events.len(), evicting.log.events.len());
+        for seq in 1..=kept.log.events.len() as u64 {
+            assert_eq!(
+                kept.log.state.verdict(seq),
+                evicting.log.state.verdict(seq),
+                "the verdict of seq {seq} depends on what was in memory (restored: {restored})"
+            );
+        }
+        assert!(
+            kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes(),
+            "the state folded with eviction differs from the one folded without (restored: {restored})"
         );
+        assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
     }
-    assert!(
-        kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes(),
-        "the state folded with eviction differs from the one folded without"
-    );
-    assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
 }
 
 proptest! {
@@ -709,11 +717,17 @@ fn the_checkpoint_round_trip_survives_removals() {
 
 #[test]
 fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(false);
+    identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(true);
+}
+
+/// `restored`: see [`Scenario::evicting`].
+fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(restored: bool) {
     // The dedupe window's oldest identity is forgotten through the cold store when it left
     // memory; a redelivery of an old message is then new again in both folds, of a recent one
     // a duplicate in both.
     let mut kept = Scenario::new();
-    let mut evicting = Scenario::evicting();
+    let mut evicting = Scenario::evicting(restored);
     let total = anima_projections::state::IDENTITIES_PER_SURFACE_MAX + 50;
     let event = |n: u64| message("anna", "C1", &format!("{}.000100", 1_600_000_000 + n)).by_user("U1", "Uma").text("x");
     // The model does not know the window, so these folds go around it.
@@ -738,13 +752,41 @@ fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory(
     assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
 }
 
+/// A state that started empty reads no identity and no settled id back for a message and a
+/// wake it never saw, however much it let go of: it counts what it let go of. A restored state
+/// cannot know what its checkpoint holds and reads each one (which is what makes this fail if
+/// the count is lost).
+#[test]
+fn new_messages_and_wakes_read_nothing_back_unless_the_state_was_restored() {
+    let reads = |restored: bool| {
+        let mut evicting = Scenario::evicting(restored);
+        for n in 0..200u64 {
+            evicting.log.fold(dm_from_human("anna", "D1", &format!("{}.000100", 1_600_000_000 + n), "x"));
+            evicting.checkpoint();
+            evicting.log.state.evict_cold(usize::MAX);
+        }
+        assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
+        let counted = evicting.checkpoint.1.lock().unwrap().clone();
+        (counted.get("identities").copied().unwrap_or(0), counted.get("settled_ids").copied().unwrap_or(0))
+    };
+    assert_eq!(reads(false), (0, 0), "started empty: no read for what was never stored");
+    let (identities, settled) = reads(true);
+    assert!(identities >= 200 && settled >= 1, "restored: every new key is read ({identities}, {settled})");
+}
+
 #[test]
 fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(false);
+    settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(true);
+}
+
+/// `restored`: see [`Scenario::evicting`].
+fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(restored: bool) {
     // An agent settles more wakes than its window remembers; a mention delivery of an old DM
     // (the same message identity, so the same item id) then wakes again in both folds, of a
     // recent one is a duplicate in both — with the settled ids read back from the cold store.
     let mut kept = Scenario::new();
-    let mut evicting = Scenario::evicting();
+    let mut evicting = Scenario::evicting(restored);
     let total = anima_projections::wake::SETTLED_REMEMBERED_MAX as u64 + 20;
     let dm = |n: u64| dm_from_human("anna", "D1", &format!("{}.000100", 1_600_000_000 + n), "x");
     fn both(kept: &mut Scenario, evicting: &mut Scenario, envelope: Envelope) -> u64 {
