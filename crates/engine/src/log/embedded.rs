@@ -66,6 +66,10 @@ const FORMAT_VERSION: &[u8] = b"2";
 /// Version byte leading every stored record value.
 const RECORD_VERSION: u8 = 1;
 
+/// Msg-id entries the writer counts per step of its opening scan (see [`StoredIds`]), between
+/// group commits.
+const STORED_IDS_SCAN_CHUNK: usize = 4_096;
+
 /// Append requests waiting for the writer. Callers wait for room beyond this (backpressure), so
 /// memory stays bounded whatever the append rate.
 const APPEND_REQUESTS_QUEUED_MAX: usize = 1024;
@@ -160,6 +164,7 @@ impl EmbeddedLog {
         let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
         let (last_seq_tx, last_seq_rx) = watch::channel(last_seq);
         let writer = LogWriter {
+            stored_ids: StoredIds::default(),
             tree: tree.clone(),
             requests: requests_rx,
             last_seq_tx,
@@ -397,8 +402,101 @@ fn read_chunk(
     Ok((records, expected))
 }
 
+/// The msg ids the tree holds an entry for, as counted fingerprints, so that appending a msg id
+/// the tree does not hold needs no read of the tree. Most appends are new, and each such read is
+/// of a random page of an index that grows with the dedupe window: under load it was the log
+/// writer's biggest cost after its batch writes, and a read from disk once the index outgrew
+/// sled's cache. A fingerprint another id shares only costs the read; nothing is guessed.
+///
+/// The writer thread alone keeps it. At open the tree's entries are counted in chunks between
+/// group commits, so a restart does not wait for a scan of the whole window: until the scan is
+/// done, an id at or after the scan's position is read from the tree as before, and the writer
+/// counts its own changes only behind that position (the scan counts the rest when it gets
+/// there). So the count is always exact for the keys it answers for.
+struct StoredIds {
+    counts: HashMap<u64, u32, foldhash::fast::FixedState>,
+    /// The msg-id key the opening scan goes on from; `None` once every entry is counted.
+    scan_from: Option<Vec<u8>>,
+    /// The scan failed (sled could not be read): ids it did not reach are always read.
+    scan_failed: bool,
+}
+
+impl Default for StoredIds {
+    fn default() -> Self {
+        StoredIds { counts: HashMap::default(), scan_from: Some(vec![PREFIX_MSG_ID]), scan_failed: false }
+    }
+}
+
+impl StoredIds {
+    fn fingerprint(msg_id_key: &[u8]) -> u64 {
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::with_seed(0x6d73_675f_6964_7321).hash_one(msg_id_key)
+    }
+
+    /// Whether the scan has counted `msg_id_key`'s place already.
+    fn counted(&self, msg_id_key: &[u8]) -> bool {
+        self.scan_from.as_deref().is_none_or(|from| msg_id_key < from)
+    }
+
+    /// Whether the tree may hold an entry for `msg_id_key` (false: it certainly does not).
+    fn may_hold(&self, msg_id_key: &[u8]) -> bool {
+        !self.counted(msg_id_key) || self.counts.contains_key(&Self::fingerprint(msg_id_key))
+    }
+
+    /// The writer stored a new entry for `msg_id_key`.
+    fn stored(&mut self, msg_id_key: &[u8]) {
+        if self.counted(msg_id_key) {
+            *self.counts.entry(Self::fingerprint(msg_id_key)).or_default() += 1;
+        }
+    }
+
+    /// The writer removed the entry of `msg_id_key`.
+    fn removed(&mut self, msg_id_key: &[u8]) {
+        if !self.counted(msg_id_key) {
+            return;
+        }
+        let print = Self::fingerprint(msg_id_key);
+        match self.counts.get_mut(&print) {
+            Some(count) if *count > 1 => *count -= 1,
+            Some(_) => {
+                self.counts.remove(&print);
+            }
+            None => debug_assert!(false, "a removed msg id entry was not counted"),
+        }
+    }
+
+    /// Whether the opening scan still has entries to count.
+    fn scanning(&self) -> bool {
+        self.scan_from.is_some() && !self.scan_failed
+    }
+
+    /// Counts up to `max` more entries of the opening scan.
+    fn scan_some(&mut self, tree: &sled::Tree, max: usize) {
+        let Some(from) = self.scan_from.take() else { return };
+        let end = [PREFIX_MSG_ID + 1];
+        let mut entries = tree.range(from.as_slice()..&end[..]);
+        for counted in 0..=max {
+            match entries.next() {
+                None => return,
+                Some(Ok((key, _))) if counted == max => {
+                    self.scan_from = Some(key.to_vec());
+                    return;
+                }
+                Some(Ok((key, _))) => *self.counts.entry(Self::fingerprint(&key)).or_default() += 1,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "embedded log: counting the stored msg ids failed; looking each one up");
+                    self.scan_from = Some(from);
+                    self.scan_failed = true;
+                    return;
+                }
+            }
+        }
+    }
+}
+
 /// The writer thread's state. It alone assigns seqs and timestamps and writes the tree.
 struct LogWriter {
+    stored_ids: StoredIds,
     tree: sled::Tree,
     requests: mpsc::Receiver<AppendRequest>,
     last_seq_tx: watch::Sender<u64>,
@@ -419,12 +517,30 @@ struct PlannedGroup {
     outcomes: Vec<Vec<AppendOutcome>>,
     last_seq: u64,
     last_timestamp_ns: i64,
+    /// Msg-id keys the batch gives an entry they did not have, and keys whose entry it removes.
+    ids_stored: Vec<Vec<u8>>,
+    ids_removed: Vec<Vec<u8>>,
 }
 
 impl LogWriter {
     /// Runs until every sender is gone (the log was dropped), answering what was queued.
     fn run(mut self) {
-        while let Some(first) = self.requests.blocking_recv() {
+        loop {
+            let first = if self.stored_ids.scanning() {
+                match self.requests.try_recv() {
+                    Ok(request) => request,
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        self.stored_ids.scan_some(&self.tree, STORED_IDS_SCAN_CHUNK);
+                        continue;
+                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            } else {
+                match self.requests.blocking_recv() {
+                    Some(request) => request,
+                    None => break,
+                }
+            };
             let mut records = first.records.len();
             let mut bytes = payload_bytes(&first.records);
             let mut group = vec![first];
@@ -439,6 +555,9 @@ impl LogWriter {
                 }
             }
             self.commit(group);
+            if self.stored_ids.scanning() {
+                self.stored_ids.scan_some(&self.tree, STORED_IDS_SCAN_CHUNK);
+            }
         }
         tracing::debug!(last_seq = self.last_seq, "embedded log writer stopped");
     }
@@ -476,6 +595,12 @@ impl LogWriter {
             self.failure = Some(message.clone());
             return Err(LogError::Store(message));
         }
+        for key in &planned.ids_stored {
+            self.stored_ids.stored(key);
+        }
+        for key in &planned.ids_removed {
+            self.stored_ids.removed(key);
+        }
         if planned.last_seq != self.last_seq {
             self.last_seq = planned.last_seq;
             self.last_timestamp_ns = planned.last_timestamp_ns;
@@ -495,6 +620,7 @@ impl LogWriter {
         let mut last_timestamp_ns = self.last_timestamp_ns;
         let now_ns = self.clock.now_ns();
         let mut records_total = 0usize;
+        let mut ids_stored = Vec::new();
 
         for request in group {
             let mut request_outcomes = Vec::with_capacity(request.records.len());
@@ -507,12 +633,20 @@ impl LogWriter {
                 let timestamp_ns = now_ns.max(last_timestamp_ns.saturating_add(1));
                 let window_start_ns = timestamp_ns.saturating_sub(self.duplicate_window_ns);
                 let msg_id_key = msg_id_key(&record.msg_id);
-                if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
-                    let (seq, stored_ns) = decode_msg_id_entry(&entry)?;
-                    if stored_ns >= window_start_ns {
-                        request_outcomes.push(AppendOutcome::Duplicate { seq });
-                        continue;
+                let entry = match self.stored_ids.may_hold(&msg_id_key) {
+                    true => self.tree.get(&msg_id_key).map_err(store_error)?,
+                    false => None,
+                };
+                match entry {
+                    Some(entry) => {
+                        let (seq, stored_ns) = decode_msg_id_entry(&entry)?;
+                        if stored_ns >= window_start_ns {
+                            request_outcomes.push(AppendOutcome::Duplicate { seq });
+                            continue;
+                        }
+                        // An expired entry: overwritten below, so still one entry.
                     }
+                    None => ids_stored.push(msg_id_key.clone()),
                 }
                 last_seq += 1;
                 last_timestamp_ns = timestamp_ns;
@@ -525,25 +659,27 @@ impl LogWriter {
             outcomes.push(request_outcomes);
         }
 
-        self.plan_pruning(
+        let ids_removed = self.plan_pruning(
             &mut batch,
             &stored_here,
             last_timestamp_ns.max(now_ns).saturating_sub(self.duplicate_window_ns),
             (records_total * 2).max(PRUNE_PER_COMMIT_MIN),
         )?;
-        Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns })
+        Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns, ids_stored, ids_removed })
     }
 
     /// Removes up to `limit` msg ids stored before `window_start_ns`, oldest first. The msg-id
     /// entry goes only if it still points at the expired seq: the same id may have been stored
-    /// again after it expired, in an earlier group or in this one.
+    /// again after it expired, in an earlier group or in this one. Returns the msg-id keys whose
+    /// entry goes.
     fn plan_pruning(
         &self,
         batch: &mut sled::Batch,
         stored_here: &HashMap<&str, u64>,
         window_start_ns: i64,
         limit: usize,
-    ) -> LogResult<()> {
+    ) -> LogResult<Vec<Vec<u8>>> {
+        let mut removed = Vec::new();
         let start = [PREFIX_EXPIRY];
         let end = expiry_key(window_start_ns, 0);
         for entry in self.tree.range(&start[..]..&end[..]).take(limit) {
@@ -558,11 +694,12 @@ impl LogWriter {
             let msg_id_key = msg_id_key(msg_id_str);
             if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
                 if decode_msg_id_entry(&entry)?.0 == expired_seq {
-                    batch.remove(msg_id_key);
+                    batch.remove(msg_id_key.clone());
+                    removed.push(msg_id_key);
                 }
             }
         }
-        Ok(())
+        Ok(removed)
     }
 }
 
@@ -856,6 +993,44 @@ mod tests {
         assert_eq!(expiry_entries, 1);
         let entry = tree.get(msg_id_key("same")).expect("get").expect("msg id entry");
         assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
+    }
+
+    /// Reopened on more msg ids than one step of the opening count takes, the log answers
+    /// repeats as duplicates and new ids as appended, both while the count is under way (the
+    /// first appends come right after open) and after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn msg_ids_are_deduplicated_while_and_after_they_are_counted_at_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let total = STORED_IDS_SCAN_CHUNK * 3 + 17;
+        let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
+        {
+            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+            for chunk in ids.chunks(1_000) {
+                let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
+                log.append_batch(records).await.expect("append");
+            }
+        }
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+        // Interleaved from the first append on: a repeat from the far end of the key order (the
+        // count has not reached it yet), one from the start, and a new id.
+        for n in 0..total {
+            let repeat = &ids[total - 1 - n];
+            let outcomes = log
+                .append_batch(vec![
+                    record("anima.v1.config", repeat, b"x"),
+                    record("anima.v1.config", &ids[n], b"x"),
+                    record("anima.v1.config", &format!("new-{n:06}"), b"y"),
+                ])
+                .await
+                .expect("append");
+            assert_eq!(outcomes[0], AppendOutcome::Duplicate { seq: (total - n) as u64 }, "repeat of {repeat}");
+            assert_eq!(outcomes[1], AppendOutcome::Duplicate { seq: (n + 1) as u64 });
+            assert_eq!(outcomes[2], AppendOutcome::Appended { seq: (total + n + 1) as u64 });
+        }
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        assert_eq!(tree.scan_prefix([PREFIX_MSG_ID]).count(), total * 2, "one entry per id");
+        drop(log);
     }
 
     /// A tree as builds before the subject record left it: layout 1, a record on a subject of
