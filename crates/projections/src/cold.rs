@@ -133,7 +133,7 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
 /// Most lookups of a dedupe table are of keys it never held (a new message's identity, a new
 /// wake's id), and once entries were let go each of them would be a store read that finds
 /// nothing. So a table that stores keys as themselves counts, by a fingerprint of the key, the
-/// entries it let go of ([`ColdTable::let_go`]): an unknown key whose fingerprint counts none
+/// entries it let go of (its `let_go` count): an unknown key whose fingerprint counts none
 /// was never let go, so it is known absent without a read. A fingerprint shared by other keys
 /// only costs a read; nothing is guessed. The count is known only for a table that started
 /// empty in this process: a table restored from a checkpoint (whose entries may be anything)
@@ -210,6 +210,15 @@ where
             self.count_back(key);
         }
         self.map.insert(key.clone(), value);
+    }
+
+    /// Before a write over `key` (insert or forget) that does not read it: brings it in if the
+    /// table counts what it let go of and `key` may be one of those (a read only then), so the
+    /// count stays exact. A table that does not count needs nothing: its writes read nothing.
+    pub fn ensure_for_write(&mut self, tag: u8, key: &K, cold: &Cold) {
+        if self.let_go.is_some() {
+            self.ensure(tag, key, cold);
+        }
     }
 
     /// `key`, let go of and stored, is back in memory: no longer counted.
@@ -427,6 +436,11 @@ where
             }
         }
         self.present -= let_go;
+        // A hashed map keeps its capacity when entries leave: give back what is far beyond use,
+        // or letting go would not lower the memory the table holds.
+        if self.map.capacity() > 4 * self.map.len().max(1024) {
+            self.map.shrink_to(2 * self.map.len());
+        }
         let_go
     }
 }

@@ -409,10 +409,8 @@ impl State {
             let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
             self.identity_order.ensure(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
             if let Some((_, old_ts)) = self.identity_order.remove(&oldest) {
-                // Ensured first (a read only if it may have left memory), so the identities'
-                // count of what they let go of stays exact.
                 let old = (surface, old_ts);
-                self.identities.ensure(crate::state::IDENTITIES_TAG, &old, &self.cold);
+                self.identities.ensure_for_write(crate::state::IDENTITIES_TAG, &old, &self.cold);
                 self.identities.forget(old);
             }
         }

@@ -504,9 +504,8 @@ impl State {
         queue.settled_counter += 1;
         queue.settled_remembered =
             u32::try_from(queue.settled_counter.min(SETTLED_REMEMBERED_MAX as u64)).unwrap_or(u32::MAX);
-        // Ensured first (a read only if it may have left memory): see `ColdTable::let_go`.
         let settled = (agent_key, item_id.to_owned());
-        self.settled_ids.ensure(SETTLED_IDS_TAG, &settled, &self.cold);
+        self.settled_ids.ensure_for_write(SETTLED_IDS_TAG, &settled, &self.cold);
         self.settled_ids.insert(settled, (order, at.at_ns));
         self.settled_order.insert((agent_key, order), (order, item_id.to_owned()));
         if order >= SETTLED_REMEMBERED_MAX as u64 {

@@ -66,9 +66,10 @@ const FORMAT_VERSION: &[u8] = b"2";
 /// Version byte leading every stored record value.
 const RECORD_VERSION: u8 = 1;
 
-/// Msg-id entries the writer counts per step of its opening scan (see [`StoredIds`]), between
-/// group commits.
-const STORED_IDS_SCAN_CHUNK: usize = 4_096;
+/// Msg-id entries the writer counts per step of its opening scan (see [`StoredIds`]), taken only
+/// while no append waits: small, so an append that arrives meanwhile waits a fraction of a
+/// millisecond.
+const STORED_IDS_SCAN_CHUNK: usize = 256;
 
 /// Append requests waiting for the writer. Callers wait for room beyond this (backpressure), so
 /// memory stays bounded whatever the append rate.
@@ -408,8 +409,8 @@ fn read_chunk(
 /// writer's biggest cost after its batch writes, and a read from disk once the index outgrew
 /// sled's cache. A fingerprint another id shares only costs the read; nothing is guessed.
 ///
-/// The writer thread alone keeps it. At open the tree's entries are counted in chunks between
-/// group commits, so a restart does not wait for a scan of the whole window: until the scan is
+/// The writer thread alone keeps it. At open the tree's entries are counted in small chunks
+/// while no append waits, so a restart does not wait for a scan of the whole window: until the scan is
 /// done, an id at or after the scan's position is read from the tree as before, and the writer
 /// counts its own changes only behind that position (the scan counts the rest when it gets
 /// there). So the count is always exact for the keys it answers for.
@@ -555,9 +556,6 @@ impl LogWriter {
                 }
             }
             self.commit(group);
-            if self.stored_ids.scanning() {
-                self.stored_ids.scan_some(&self.tree, STORED_IDS_SCAN_CHUNK);
-            }
         }
         tracing::debug!(last_seq = self.last_seq, "embedded log writer stopped");
     }
