@@ -993,18 +993,18 @@ mod tests {
         assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
     }
 
-    /// Reopened on more msg ids than one step of the opening count takes, the log answers
+    /// Reopened on many more msg ids than one step of the opening count takes, the log answers
     /// repeats as duplicates and new ids as appended, both while the count is under way (the
-    /// first appends come right after open) and after it.
+    /// first appends come right after open, from both ends of the key order) and after it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn msg_ids_are_deduplicated_while_and_after_they_are_counted_at_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
-        let total = STORED_IDS_SCAN_CHUNK * 3 + 17;
+        let total = STORED_IDS_SCAN_CHUNK * 200 + 17;
         let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
         {
             let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
-            for chunk in ids.chunks(1_000) {
+            for chunk in ids.chunks(5_000) {
                 let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
                 log.append_batch(records).await.expect("append");
             }
@@ -1012,7 +1012,8 @@ mod tests {
         let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
         // Interleaved from the first append on: a repeat from the far end of the key order (the
         // count has not reached it yet), one from the start, and a new id.
-        for n in 0..total {
+        let interleaved = 500;
+        for n in 0..interleaved {
             let repeat = &ids[total - 1 - n];
             let outcomes = log
                 .append_batch(vec![
@@ -1026,8 +1027,13 @@ mod tests {
             assert_eq!(outcomes[1], AppendOutcome::Duplicate { seq: (n + 1) as u64 });
             assert_eq!(outcomes[2], AppendOutcome::Appended { seq: (total + n + 1) as u64 });
         }
+        // Every other stored id, repeated after the count: all duplicates, nothing appended.
+        let rest: Vec<AppendRecord> =
+            ids[interleaved..total - interleaved].iter().map(|id| record("anima.v1.config", id, b"x")).collect();
+        let outcomes = log.append_batch(rest).await.expect("append");
+        assert!(outcomes.iter().all(|o| matches!(o, AppendOutcome::Duplicate { .. })), "every repeat is a duplicate");
         let tree = db.open_tree(TREE_NAME).expect("tree");
-        assert_eq!(tree.scan_prefix([PREFIX_MSG_ID]).count(), total * 2, "one entry per id");
+        assert_eq!(tree.scan_prefix([PREFIX_MSG_ID]).count(), total + interleaved, "one entry per id");
         drop(log);
     }
 
