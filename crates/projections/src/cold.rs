@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::Hash;
 use std::sync::Arc;
 
-use crate::hashed::{HashedMap, HashedSet};
+use crate::hashed::{FingerprintCount, HashedMap, HashedSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -148,7 +148,7 @@ pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
     complete: bool,
     /// Present entries let go of and stored, by key fingerprint; `None` when not known (a
     /// restored table, or one of slots).
-    let_go: Option<HashedMap<u64, u32>>,
+    let_go: Option<FingerprintCount>,
     slots: std::marker::PhantomData<S>,
 }
 
@@ -159,17 +159,10 @@ impl<K: Ord + Hash + Clone, V, S: Slots<K, V>> Default for ColdTable<K, V, S> {
             dirty: HashedSet::default(),
             present: 0,
             complete: true,
-            let_go: S::counts_let_go().then(HashedMap::default),
+            let_go: S::counts_let_go().then(FingerprintCount::default),
             slots: std::marker::PhantomData,
         }
     }
-}
-
-/// The fingerprint of a cold key: a hash with another seed than the tables' own.
-fn fingerprint<K: Hash>(key: &K) -> u64 {
-    use std::hash::BuildHasher;
-    const SEED: u64 = 0x636f_6c64_5f66_7072;
-    foldhash::fast::FixedState::with_seed(SEED).hash_one(key)
 }
 
 impl<K, V, S> ColdTable<K, V, S>
@@ -202,7 +195,7 @@ where
             return;
         }
         let value = match self.let_go.as_ref() {
-            Some(let_go) if !let_go.contains_key(&fingerprint(key)) => None,
+            Some(let_go) if !let_go.may_hold(key) => None,
             _ => Self::read_stored(tag, key, cold),
         };
         if value.is_some() {
@@ -223,14 +216,8 @@ where
 
     /// `key`, let go of and stored, is back in memory: no longer counted.
     fn count_back(&mut self, key: &K) {
-        let Some(let_go) = self.let_go.as_mut() else { return };
-        let print = fingerprint(key);
-        match let_go.get_mut(&print) {
-            Some(count) if *count > 1 => *count -= 1,
-            Some(_) => {
-                let_go.remove(&print);
-            }
-            None => debug_assert!(false, "a key read back from the store was not counted as let go"),
+        if let Some(let_go) = self.let_go.as_mut() {
+            let_go.remove(key);
         }
     }
 
@@ -243,8 +230,7 @@ where
             return;
         }
         let wanted: BTreeSet<K> = keys.filter(|key| !self.map.contains_key(key)).collect();
-        let none_let_go =
-            self.let_go.as_ref().is_some_and(|let_go| wanted.iter().all(|key| !let_go.contains_key(&fingerprint(key))));
+        let none_let_go = self.let_go.as_ref().is_some_and(|let_go| wanted.iter().all(|key| !let_go.may_hold(key)));
         let stored = if none_let_go { Vec::new() } else { cold.scan(prefix) };
         for (stored_key, bytes) in stored {
             let (key, value) = Self::decode_stored(&stored_key, &bytes);
@@ -272,7 +258,7 @@ where
         if self.complete || self.map.contains_key(key) {
             return;
         }
-        if self.let_go.as_ref().is_some_and(|let_go| let_go.contains_key(&fingerprint(key))) {
+        if self.let_go.as_ref().is_some_and(|let_go| let_go.may_hold(key)) {
             self.let_go = None;
         }
     }
@@ -402,7 +388,7 @@ where
 
     /// Fingerprints counted as let go (what the count costs in memory); 0 when not counting.
     pub fn let_go_len(&self) -> usize {
-        self.let_go.as_ref().map_or(0, HashedMap::len)
+        self.let_go.as_ref().map_or(0, FingerprintCount::len)
     }
 
     pub fn changed_len(&self) -> usize {
@@ -431,7 +417,7 @@ where
             if let Some(Some(_)) = self.map.remove(&key) {
                 let_go += 1;
                 if let Some(counted) = self.let_go.as_mut() {
-                    *counted.entry(fingerprint(&key)).or_default() += 1;
+                    counted.add(&key);
                 }
             }
         }

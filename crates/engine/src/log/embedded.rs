@@ -41,6 +41,8 @@ use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use anima_projections::hashed::FingerprintCount;
+
 use crate::clock::{Clock, SystemClock};
 use crate::subject::{SubjectEncoding, SubjectPrefix, Subjects};
 
@@ -415,7 +417,7 @@ fn read_chunk(
 /// counts its own changes only behind that position (the scan counts the rest when it gets
 /// there). So the count is always exact for the keys it answers for.
 struct StoredIds {
-    counts: HashMap<u64, u32, foldhash::fast::FixedState>,
+    counts: FingerprintCount,
     /// The msg-id key the opening scan goes on from; `None` once every entry is counted.
     scan_from: Option<Vec<u8>>,
     /// The scan failed (sled could not be read): ids it did not reach are always read.
@@ -424,16 +426,11 @@ struct StoredIds {
 
 impl Default for StoredIds {
     fn default() -> Self {
-        StoredIds { counts: HashMap::default(), scan_from: Some(vec![PREFIX_MSG_ID]), scan_failed: false }
+        StoredIds { counts: FingerprintCount::default(), scan_from: Some(vec![PREFIX_MSG_ID]), scan_failed: false }
     }
 }
 
 impl StoredIds {
-    fn fingerprint(msg_id_key: &[u8]) -> u64 {
-        use std::hash::BuildHasher;
-        foldhash::fast::FixedState::with_seed(0x6d73_675f_6964_7321).hash_one(msg_id_key)
-    }
-
     /// Whether the scan has counted `msg_id_key`'s place already.
     fn counted(&self, msg_id_key: &[u8]) -> bool {
         self.scan_from.as_deref().is_none_or(|from| msg_id_key < from)
@@ -441,28 +438,20 @@ impl StoredIds {
 
     /// Whether the tree may hold an entry for `msg_id_key` (false: it certainly does not).
     fn may_hold(&self, msg_id_key: &[u8]) -> bool {
-        !self.counted(msg_id_key) || self.counts.contains_key(&Self::fingerprint(msg_id_key))
+        !self.counted(msg_id_key) || self.counts.may_hold(msg_id_key)
     }
 
     /// The writer stored a new entry for `msg_id_key`.
     fn stored(&mut self, msg_id_key: &[u8]) {
         if self.counted(msg_id_key) {
-            *self.counts.entry(Self::fingerprint(msg_id_key)).or_default() += 1;
+            self.counts.add(msg_id_key);
         }
     }
 
     /// The writer removed the entry of `msg_id_key`.
     fn removed(&mut self, msg_id_key: &[u8]) {
-        if !self.counted(msg_id_key) {
-            return;
-        }
-        let print = Self::fingerprint(msg_id_key);
-        match self.counts.get_mut(&print) {
-            Some(count) if *count > 1 => *count -= 1,
-            Some(_) => {
-                self.counts.remove(&print);
-            }
-            None => debug_assert!(false, "a removed msg id entry was not counted"),
+        if self.counted(msg_id_key) {
+            self.counts.remove(msg_id_key);
         }
     }
 
@@ -483,7 +472,7 @@ impl StoredIds {
                     self.scan_from = Some(key.to_vec());
                     return;
                 }
-                Some(Ok((key, _))) => *self.counts.entry(Self::fingerprint(&key)).or_default() += 1,
+                Some(Ok((key, _))) => self.counts.add(&key[..]),
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "embedded log: counting the stored msg ids failed; looking each one up");
                     self.scan_from = Some(from);

@@ -111,6 +111,12 @@ async fn fresh_fold(log: &Arc<dyn EventLog>) -> Vec<u8> {
     state.canonical_bytes()
 }
 
+/// The error a runner stopped with on its own (a failed or torn checkpoint write).
+async fn stops_on_its_own(runner: Runner) -> anima_engine::projection::RunnerError {
+    let ended = tokio::time::timeout(WAIT, runner.task).await.expect("the runner stops on its own").expect("join");
+    ended.expect_err("the runner reports why it stopped")
+}
+
 fn open(dir: &std::path::Path) -> (Arc<dyn EventLog>, sled::Db) {
     let db = sled::open(dir).expect("sled");
     let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("log"));
@@ -180,16 +186,16 @@ async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
 
     checkpoints.inject_write_failure();
     log.append_batch(events(200, "b")).await.expect("append");
-    let ended = tokio::time::timeout(WAIT, runner.task).await.expect("the runner stops on its own").expect("join");
-    let error = ended.expect_err("the runner reports the failed write");
+    let projection = runner.projection.clone();
+    let error = stops_on_its_own(runner).await;
     assert!(error.to_string().contains("injected checkpoint write failure"), "{error}");
 
     let far = log.last_seq().await.expect("last") + 1_000;
     let waited = tokio::time::Instant::now();
-    let answer = runner.projection.wait_applied(far, Duration::from_secs(600)).await.expect_err("never applied");
+    let answer = projection.wait_applied(far, Duration::from_secs(600)).await.expect_err("never applied");
     assert!(waited.elapsed() < Duration::from_secs(60), "answered at once, not after the 600 s timeout");
     assert!(answer.to_string().contains("checkpoint"), "{answer}");
-    assert_eq!(runner.projection.stop_cause().as_deref(), Some(error.to_string().as_str()));
+    assert_eq!(projection.stop_cause().as_deref(), Some(error.to_string().as_str()));
     drop(db);
 }
 
@@ -211,8 +217,7 @@ async fn a_checkpoint_torn_by_a_crash_is_completed_at_the_next_start() {
     let torn = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
     torn.inject_torn_write(2);
     let runner = Runner::start(log.clone(), torn.clone(), config(), CancellationToken::new()).await.expect("runner");
-    let ended = tokio::time::timeout(WAIT, runner.task).await.expect("the runner stops on its own").expect("join");
-    assert!(ended.expect_err("the torn write fails").to_string().contains("injected"));
+    assert!(stops_on_its_own(runner).await.to_string().contains("injected"));
     let tree = db.open_tree("checkpoint").expect("tree");
     assert!(tree.get(anima_engine::checkpoint::PENDING_KEY).expect("get").is_some(), "the store is torn");
 
