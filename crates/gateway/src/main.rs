@@ -13,6 +13,12 @@ use std::path::PathBuf;
 use anima_gateway::config::Config;
 use clap::{Parser, Subcommand};
 
+/// The engine's allocator. Under sustained load the system allocator kept freed memory spread
+/// over its per-thread arenas, so RSS grew well past what the engine held (see the Memory
+/// budget section of ARCHITECTURE.md for the measurement); mimalloc returns freed pages.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "anima-wake", version, about = "Event-sourced wake delivery engine for AI agents")]
 struct Cli {

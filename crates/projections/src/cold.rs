@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::Hash;
 use std::sync::Arc;
 
-use crate::hashed::{FingerprintCount, HashedMap, HashedSet};
+use crate::hashed::{FingerprintCount, HashedIndexMap, HashedSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -138,9 +138,18 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
 /// only costs a read; nothing is guessed. The count is known only for a table that started
 /// empty in this process: a table restored from a checkpoint (whose entries may be anything)
 /// reads every unknown key.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// Which clean entries leave memory is chosen by a clock: the table keeps its entries in an
+/// indexed map, every entry has a used bit that [`ColdTable::ensure`] and the writes set, and
+/// [`ColdTable::evict`] moves a hand over the entries, clearing set bits and letting go of
+/// entries whose bit is clear. So an entry in use (the newest rows of a busy surface, the
+/// identities a dedupe window still reads) stays, and the hand's work is paid for by the uses
+/// that set the bits it clears. Which entries are in memory is never part of a verdict.
+#[derive(Clone, Debug)]
 pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
-    map: HashedMap<K, Option<V>>,
+    map: HashedIndexMap<K, Entry<V>>,
+    /// The clock's hand: the index in `map` that [`ColdTable::evict`] looks at next.
+    hand: usize,
     dirty: HashedSet<K>,
     /// Present entries in memory.
     present: usize,
@@ -152,10 +161,40 @@ pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
     slots: std::marker::PhantomData<S>,
 }
 
+/// An entry in memory: present (`Some`) or known absent (`None`), and whether it was used since
+/// the clock's hand last passed it.
+#[derive(Clone, Debug)]
+struct Entry<V> {
+    value: Option<V>,
+    used: bool,
+}
+
+impl<V> Entry<V> {
+    fn new(value: Option<V>) -> Self {
+        Entry { value, used: true }
+    }
+}
+
+/// Tables compare by what they hold and what is left to write, not by which entries are in
+/// memory or where the clock's hand is.
+impl<K: Ord + Hash + Clone, V: PartialEq, S> PartialEq for ColdTable<K, V, S> {
+    fn eq(&self, other: &Self) -> bool {
+        self.complete == other.complete
+            && self.present == other.present
+            && self.dirty == other.dirty
+            && self.let_go == other.let_go
+            && self.map.len() == other.map.len()
+            && self.map.iter().all(|(key, entry)| other.map.get(key).is_some_and(|e| e.value == entry.value))
+    }
+}
+
+impl<K: Ord + Hash + Clone, V: Eq, S> Eq for ColdTable<K, V, S> {}
+
 impl<K: Ord + Hash + Clone, V, S: Slots<K, V>> Default for ColdTable<K, V, S> {
     fn default() -> Self {
         ColdTable {
-            map: HashedMap::default(),
+            map: HashedIndexMap::default(),
+            hand: 0,
             dirty: HashedSet::default(),
             present: 0,
             complete: true,
@@ -191,7 +230,11 @@ where
     /// Brings `key` into memory from the store if it is unknown, so that [`ColdTable::get`]
     /// answers for it. `tag` is the table's checkpoint tag.
     pub fn ensure(&mut self, tag: u8, key: &K, cold: &Cold) {
-        if self.complete || self.map.contains_key(key) {
+        if self.complete {
+            return;
+        }
+        if let Some(entry) = self.map.get_mut(key) {
+            entry.used = true;
             return;
         }
         let value = match self.let_go.as_ref() {
@@ -202,7 +245,7 @@ where
             self.present += 1;
             self.count_back(key);
         }
-        self.map.insert(key.clone(), value);
+        self.map.insert(key.clone(), Entry::new(value));
     }
 
     /// Before a write over `key` (insert or forget) that does not read it: brings it in if the
@@ -226,10 +269,21 @@ where
     /// that share a prefix, such as the rows of one surface. Stored entries outside `keys` are
     /// ignored; keys the scan did not find are known absent.
     pub fn ensure_by_scan(&mut self, prefix: &[u8], keys: impl Iterator<Item = K> + Clone, cold: &Cold) {
-        if self.complete || keys.clone().all(|key| self.map.contains_key(&key)) {
+        if self.complete {
             return;
         }
-        let wanted: BTreeSet<K> = keys.filter(|key| !self.map.contains_key(key)).collect();
+        let mut wanted = BTreeSet::new();
+        for key in keys {
+            match self.map.get_mut(&key) {
+                Some(entry) => entry.used = true,
+                None => {
+                    wanted.insert(key);
+                }
+            }
+        }
+        if wanted.is_empty() {
+            return;
+        }
         let none_let_go = self.let_go.as_ref().is_some_and(|let_go| wanted.iter().all(|key| !let_go.may_hold(key)));
         let stored = if none_let_go { Vec::new() } else { cold.scan(prefix) };
         for (stored_key, bytes) in stored {
@@ -237,18 +291,18 @@ where
             if wanted.contains(&key) && !self.map.contains_key(&key) {
                 self.present += 1;
                 self.count_back(&key);
-                self.map.insert(key, Some(value));
+                self.map.insert(key, Entry::new(Some(value)));
             }
         }
         for key in wanted {
-            self.map.entry(key).or_insert(None);
+            self.map.entry(key).or_insert(Entry::new(None));
         }
     }
 
     /// The value of `key`. Unless the table is complete the key must have been ensured.
     pub fn get(&self, key: &K) -> Option<&V> {
         debug_assert!(self.complete || self.map.contains_key(key), "a cold key read without ensure");
-        self.map.get(key).and_then(Option::as_ref)
+        self.map.get(key).and_then(|entry| entry.value.as_ref())
     }
 
     /// A write over `key` without [`ColdTable::ensure`]: if `key` may be one the table let go
@@ -266,7 +320,7 @@ where
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         self.write_over_unknown(&key);
         self.dirty.insert(key.clone());
-        let old = self.map.insert(key, Some(value)).flatten();
+        let old = self.map.insert(key, Entry::new(Some(value))).and_then(|entry| entry.value);
         if old.is_none() {
             self.present += 1;
         }
@@ -278,14 +332,14 @@ where
     pub fn forget(&mut self, key: K) {
         self.write_over_unknown(&key);
         if self.complete {
-            if self.map.remove(&key).flatten().is_some() {
+            if self.map.swap_remove(&key).and_then(|entry| entry.value).is_some() {
                 self.present -= 1;
                 self.dirty.insert(key);
             }
             return;
         }
         self.dirty.insert(key.clone());
-        if self.map.insert(key, None).flatten().is_some() {
+        if self.map.insert(key, Entry::new(None)).and_then(|entry| entry.value).is_some() {
             self.present -= 1;
         }
     }
@@ -297,7 +351,7 @@ where
         V: Clone,
     {
         match self.map.get(key) {
-            Some(value) => value.clone(),
+            Some(entry) => entry.value.clone(),
             None if self.complete => None,
             None => Self::read_stored(tag, key, cold),
         }
@@ -307,14 +361,14 @@ where
     pub fn remove(&mut self, key: &K) -> Option<V> {
         debug_assert!(self.complete || self.map.contains_key(key), "a cold key removed without ensure");
         let old = match self.map.get_mut(key) {
-            Some(slot) => slot.take(),
+            Some(entry) => entry.value.take(),
             None => None,
         };
         if old.is_some() {
             self.present -= 1;
             self.dirty.insert(key.clone());
             if self.complete {
-                self.map.remove(key);
+                self.map.swap_remove(key);
             }
         }
         old
@@ -347,8 +401,8 @@ where
                 out.insert(key, Some(value));
             }
         }
-        for (key, value) in &self.map {
-            out.insert(key.clone(), value.clone());
+        for (key, entry) in &self.map {
+            out.insert(key.clone(), entry.value.clone());
         }
         out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
     }
@@ -359,7 +413,7 @@ where
         let dirty = std::mem::take(&mut self.dirty);
         let mut out: BTreeMap<K, Option<&V>> = BTreeMap::new();
         for key in dirty {
-            let value = self.map.get(&key).and_then(Option::as_ref);
+            let value = self.map.get(&key).and_then(|entry| entry.value.as_ref());
             let slot = S::slot(&key);
             match out.get(&slot) {
                 Some(Some(_)) if value.is_none() => {}
@@ -374,7 +428,7 @@ where
     /// Loads an entry from a checkpoint (by its checkpoint key); not marked changed.
     pub fn load(&mut self, slot: K, value: V) {
         let key = S::key_of(slot, &value);
-        if self.map.insert(key, Some(value)).flatten().is_none() {
+        if self.map.insert(key, Entry::new(Some(value))).and_then(|entry| entry.value).is_none() {
             self.present += 1;
         }
     }
@@ -395,10 +449,11 @@ where
         self.dirty.len()
     }
 
-    /// Lets go of up to `max` clean entries (in hash order: which ones is not part of the state,
-    /// since a verdict never depends on what is in memory). Call only when the store holds every
-    /// clean entry's latest value (no checkpoint write in flight). Returns how many present
-    /// entries left memory.
+    /// Lets go of up to `max` clean present entries not used since the clock's hand last passed
+    /// them (which ones is not part of the state, since a verdict never depends on what is in
+    /// memory); clean known-absent entries the hand finds unused leave too. Call only when the
+    /// store holds every clean entry's latest value (no checkpoint write in flight). The hand
+    /// passes each entry at most twice per call. Returns how many present entries left memory.
     pub fn evict(&mut self, max: usize) -> usize {
         if self.complete {
             // A complete table drops removed keys from memory; once it is not complete, an
@@ -406,15 +461,32 @@ where
             // written yet: keep those known absent.
             for key in &self.dirty {
                 if !self.map.contains_key(key) {
-                    self.map.insert(key.clone(), None);
+                    self.map.insert(key.clone(), Entry::new(None));
                 }
             }
             self.complete = false;
         }
-        let chosen: Vec<K> = self.map.keys().filter(|key| !self.dirty.contains(*key)).take(max).cloned().collect();
         let mut let_go = 0;
-        for key in chosen {
-            if let Some(Some(_)) = self.map.remove(&key) {
+        let mut steps = 2 * self.map.len();
+        while let_go < max && steps > 0 && !self.map.is_empty() {
+            steps -= 1;
+            if self.hand >= self.map.len() {
+                self.hand = 0;
+            }
+            let Some((key, entry)) = self.map.get_index_mut(self.hand) else { break };
+            if self.dirty.contains(key) {
+                // Written since the last checkpoint: its bit stays, for a pass once it is clean.
+                self.hand += 1;
+                continue;
+            }
+            if entry.used {
+                entry.used = false;
+                self.hand += 1;
+                continue;
+            }
+            // The last entry takes this index: the hand looks at it next.
+            let Some((key, entry)) = self.map.swap_remove_index(self.hand) else { break };
+            if entry.value.is_some() {
                 let_go += 1;
                 if let Some(counted) = self.let_go.as_mut() {
                     counted.add(&key);
@@ -428,5 +500,93 @@ where
             self.map.shrink_to(2 * self.map.len());
         }
         let_go
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A store of one table's entries that counts the reads it answers.
+    #[derive(Default)]
+    struct Counted {
+        entries: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+        reads: Mutex<u64>,
+    }
+
+    impl ColdStore for Counted {
+        fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
+            *self.reads.lock().unwrap() += 1;
+            Ok(self.entries.lock().unwrap().get(key).cloned())
+        }
+        fn scan(&self, prefix: &[u8]) -> Result<Entries, String> {
+            let entries = self.entries.lock().unwrap();
+            Ok(entries.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.clone(), v.clone())).collect())
+        }
+    }
+
+    const TAG: u8 = 7;
+
+    /// Writes the table's changes to the store, as a checkpoint would.
+    fn checkpoint(table: &mut ColdTable<u64, u64>, store: &Counted) {
+        let mut entries = store.entries.lock().unwrap();
+        for (key, value) in table.drain_changes() {
+            let stored = crate::state::tagged(TAG, &key);
+            match value {
+                Some(value) => entries.insert(stored, postcard::to_allocvec(value).unwrap()),
+                None => entries.remove(&stored),
+            };
+        }
+    }
+
+    #[test]
+    fn entries_in_use_stay_in_memory_while_idle_ones_leave() {
+        let store = Arc::new(Counted::default());
+        let cold = Cold::new(store.clone());
+        let mut table: ColdTable<u64, u64> = ColdTable::default();
+        for key in 0..10_000 {
+            table.insert(key, key * 2);
+        }
+        checkpoint(&mut table, &store);
+        // The first round lets one entry go; the hand has passed every entry once.
+        assert_eq!(table.evict(1), 1);
+        let busy: Vec<u64> = (0..10_000).step_by(10).collect();
+        for key in &busy {
+            table.ensure(TAG, key, &cold);
+            assert_eq!(table.get(key), Some(&(key * 2)));
+        }
+        // As many as are idle: the hand lets go of those and passes over the ones in use.
+        let idle = table.resident_len() - busy.len();
+        assert_eq!(table.evict(idle), idle);
+        assert_eq!(table.resident_len(), busy.len(), "only the busy entries are left in memory");
+        let reads_before = *store.reads.lock().unwrap();
+        for key in &busy {
+            table.ensure(TAG, key, &cold);
+        }
+        assert_eq!(*store.reads.lock().unwrap(), reads_before, "a busy entry was let go and read back");
+        // What left is read back exactly when needed, and what was never stored is known absent.
+        table.ensure(TAG, &1, &cold);
+        table.ensure(TAG, &20_000, &cold);
+        assert_eq!((table.get(&1), table.get(&20_000)), (Some(&2), None));
+        assert_eq!(*store.reads.lock().unwrap(), reads_before + 1, "the count answers for a key never stored");
+    }
+
+    #[test]
+    fn an_entry_written_since_the_last_checkpoint_never_leaves() {
+        let store = Arc::new(Counted::default());
+        let cold = Cold::new(store.clone());
+        let mut table: ColdTable<u64, u64> = ColdTable::default();
+        for key in 0..100 {
+            table.insert(key, key);
+        }
+        checkpoint(&mut table, &store);
+        table.insert(5, 50);
+        table.forget(6);
+        table.evict(usize::MAX);
+        assert_eq!(table.resident_len(), 1, "everything clean left; the unwritten change stayed");
+        table.ensure(TAG, &5, &cold);
+        table.ensure(TAG, &6, &cold);
+        assert_eq!((table.get(&5), table.get(&6)), (Some(&50), None));
     }
 }

@@ -15,6 +15,10 @@ pub type HashedMap<K, V> = HashMap<K, V, Hasher>;
 
 pub type HashedSet<K> = HashSet<K, Hasher>;
 
+/// A hashed map whose entries also have an index (insertion order, changed by removals), for a
+/// table that walks its entries from where it stopped (the cold tables' clock).
+pub type HashedIndexMap<K, V> = indexmap::IndexMap<K, V, Hasher>;
+
 /// How many keys of a set share each fingerprint (a hash of the key with a seed of its own):
 /// "may hold" answers a lookup without the set, exactly when it says no. Keys that share a
 /// fingerprint only make it say yes for each other. Used where a store's index is too large to
