@@ -197,6 +197,9 @@ pub struct FoldProbe {
     pub lag_events: u64,
     pub applied_seq: u64,
     pub last_seq: u64,
+    /// The fold state's own estimate of its memory and its budget, bytes.
+    pub state_estimate_bytes: u64,
+    pub state_budget_bytes: u64,
 }
 
 /// One plain HTTP/1.1 `GET /metrics`, parsed for the fold's gauges.
@@ -225,6 +228,8 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
             "anima_fold_lag_events" => probe.lag_events = value,
             "anima_fold_applied_seq" => probe.applied_seq = value,
             "anima_log_last_seq" => probe.last_seq = value,
+            "anima_state_estimate_bytes" => probe.state_estimate_bytes = value,
+            "anima_state_budget_bytes" => probe.state_budget_bytes = value,
             _ => {}
         }
     }

@@ -437,6 +437,8 @@ struct Report {
     cpu_now: Option<(f64, f64)>,
     cpu_line_start: Option<(f64, f64)>,
     cpu_first: Option<(f64, f64)>,
+    /// The fold state's own estimate of its memory at the newest sample that had one, MiB.
+    state_mib: Option<f64>,
 }
 
 impl Report {
@@ -459,6 +461,9 @@ impl Report {
                 rss_mib: rss.unwrap_or(0) as f64 / 1024.0,
             });
             self.seconds.push(at);
+        }
+        if let Some(fold) = new_samples.iter().rev().find_map(|s| s.fold) {
+            self.state_mib = Some(fold.state_estimate_bytes as f64 / (1024.0 * 1024.0));
         }
         self.totals.merge(&window);
         self.since_line.merge(&window);
@@ -503,8 +508,9 @@ impl Report {
         let lag_p99 = quantile(&mut lags, 0.99);
         let lag_max = lags.iter().copied().max().unwrap_or(0);
         let rss = self.chart.last().map_or(0.0, |p| p.rss_mib);
+        let state = self.state_mib.map_or_else(String::new, |mib| format!(" (fold state est. {mib:.0})"));
         line.push_str(&format!(
-            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB | cpu {cpu} | held {}",
+            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB{state} | cpu {cpu} | held {}",
             fleet.sends_held.load(std::sync::atomic::Ordering::Relaxed)
         ));
         line
@@ -616,6 +622,13 @@ impl Report {
                 half,
                 growth
             ));
+            if let Some(fold) = samples.iter().rev().find_map(|s| s.fold) {
+                out.push_str(&format!(
+                    "fold state (its own estimate, what the budget holds down): last {:.0} MiB of its {:.0} MiB budget\n",
+                    fold.state_estimate_bytes as f64 / (1024.0 * 1024.0),
+                    fold.state_budget_bytes as f64 / (1024.0 * 1024.0)
+                ));
+            }
             out.push_str(&format!(
                 "targets (issue 9 item 6): ≥ 10,000 ops/s: {}; Send p99 ≤ 10 ms: {}; slowest Send ≤ 25 ms: {}; \
                  fold lag p99 ≤ 50 ms (estimated): {}; RSS growth over the last half ≤ 5%: {}\n",

@@ -128,4 +128,21 @@ async fn metrics_count_sends_wakes_refusals_appends_and_the_fold_lag() {
     let within_infinity = value(&after, r#"anima_log_append_seconds_bucket{le="+Inf",call="append"}"#);
     assert_eq!(within_infinity, appends_after);
     assert!(value(&after, r#"anima_log_append_seconds_sum{call="append"}"#) > 0.0);
+
+    // The fold's memory beside its budget: the default budget's share for the state (1024 MiB:
+    // three quarters, less sled's 128 and the body cache's 64), and the state's own estimate,
+    // which the runner takes again after each checkpoint (this config checkpoints every 200 ms).
+    let budget = value(&after, "anima_state_budget_bytes");
+    assert_eq!(budget, (576u64 << 20) as f64);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let estimate = loop {
+        let now = samples(&server.scrape_metrics().await);
+        let estimate = value(&now, "anima_state_estimate_bytes");
+        if estimate > 0.0 {
+            break estimate;
+        }
+        assert!(std::time::Instant::now() < deadline, "no state estimate after a checkpoint: {now:#?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(estimate < budget, "a few agents and surfaces estimated at {estimate} bytes");
 }

@@ -6,6 +6,7 @@
 //! and never decide anything themselves.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -87,6 +88,11 @@ pub struct Projection {
     /// Why the runner stopped, once it has: nobody waits for a fold that will not move again.
     stopped: watch::Sender<Option<Arc<str>>>,
     log: Arc<dyn EventLog>,
+    /// The state's own estimate of the memory it takes, bytes, as of the runner's last look (at
+    /// start and after each landed checkpoint), and the budget it is held to: for metrics, read
+    /// without the state lock.
+    state_estimate_bytes: AtomicU64,
+    state_budget_bytes: u64,
 }
 
 /// Errors of waiting for the fold.
@@ -107,6 +113,12 @@ impl Projection {
     /// across an await.
     pub fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The state's memory by its own estimate (bytes, as of the runner's last look: at start and
+    /// after each landed checkpoint) and the budget it is held to (`state_bytes_max`).
+    pub fn state_memory_bytes(&self) -> (u64, u64) {
+        (self.state_estimate_bytes.load(Ordering::Relaxed), self.state_budget_bytes)
     }
 
     /// The maintained analytics counters. Keep the guard short.
@@ -226,6 +238,7 @@ impl Runner {
             "projection restored"
         );
         let (applied, _) = watch::channel(start_seq);
+        let state_estimate_bytes = AtomicU64::new(state.memory_estimate_bytes() as u64);
         let projection = Arc::new(Projection {
             state: Mutex::new(state),
             analytics: Mutex::new(analytics),
@@ -233,6 +246,8 @@ impl Runner {
             applied,
             stopped: watch::channel(None).0,
             log: log.clone(),
+            state_estimate_bytes,
+            state_budget_bytes: config.state_bytes_max as u64,
         });
         let supervised = projection.clone();
         let task = tokio::spawn(async move {
@@ -347,11 +362,14 @@ const EVICTED_PER_ROUND_MAX: usize = 16_384;
 fn evict_over_budget(projection: &Projection, state_bytes_max: usize) {
     let mut state = projection.state();
     let estimate = state.memory_estimate_bytes();
+    projection.state_estimate_bytes.store(estimate as u64, Ordering::Relaxed);
     if estimate <= state_bytes_max && state_bytes_max > 0 {
         return;
     }
     let over_entries = (estimate - state_bytes_max.min(estimate)) / anima_projections::state::COLD_ENTRY_BYTES + 1;
     let let_go = state.evict_cold(over_entries.min(EVICTED_PER_ROUND_MAX));
+    let left = estimate.saturating_sub(let_go * anima_projections::state::COLD_ENTRY_BYTES);
+    projection.state_estimate_bytes.store(left as u64, Ordering::Relaxed);
     if let_go > 0 {
         tracing::debug!(let_go, estimate, state_bytes_max, "cold state entries left memory");
     }

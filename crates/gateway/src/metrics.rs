@@ -6,6 +6,10 @@
 //!   the engine's [`AppendObserver`] hook around its log, so every append is timed in one place.
 //! * `anima_log_last_seq`, `anima_fold_applied_seq`, `anima_fold_lag_events` — the log's newest
 //!   sequence, the sequence the fold has applied, and the difference, read at scrape time.
+//! * `anima_state_estimate_bytes`, `anima_state_budget_bytes` — the fold state's own estimate of
+//!   the memory it takes (as of the runner's last look: at start and after each landed
+//!   checkpoint) and the share of `memory_budget_mib` it is held to. Set beside the process's
+//!   RSS, they tell what of it the fold holds.
 //! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
 //!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
 //!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
@@ -112,6 +116,8 @@ pub struct Metrics {
     log_last_seq: Gauge,
     fold_applied_seq: Gauge,
     fold_lag_events: Gauge,
+    state_estimate_bytes: Gauge,
+    state_budget_bytes: Gauge,
     refused: Family<RefusedLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     handling_seconds: HistogramFamily<MethodLabels>,
@@ -163,6 +169,18 @@ impl Metrics {
             "Events stored in the log that the fold has not applied yet",
             fold_lag_events.clone(),
         );
+        let state_estimate_bytes = Gauge::default();
+        registry.register(
+            "anima_state_estimate_bytes",
+            "The fold state's own estimate of its memory, at start and after each landed checkpoint",
+            state_estimate_bytes.clone(),
+        );
+        let state_budget_bytes = Gauge::default();
+        registry.register(
+            "anima_state_budget_bytes",
+            "The memory the fold's state is held to (its share of memory_budget_mib)",
+            state_budget_bytes.clone(),
+        );
         let refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "anima_grpc_refused",
@@ -207,6 +225,8 @@ impl Metrics {
             log_last_seq,
             fold_applied_seq,
             fold_lag_events,
+            state_estimate_bytes,
+            state_budget_bytes,
             refused,
             handled,
             handling_seconds,
@@ -277,6 +297,9 @@ impl Metrics {
 
     /// Reads the fold's position and the log's, then writes the whole registry.
     pub async fn render(&self, engine: &Engine) -> String {
+        let (estimate, budget) = engine.projection().state_memory_bytes();
+        self.state_estimate_bytes.set(gauge_value(estimate));
+        self.state_budget_bytes.set(gauge_value(budget));
         match tokio::time::timeout(LAST_SEQ_WAIT, engine.log().last_seq()).await {
             Ok(Ok(last)) => {
                 let applied = engine.projection().applied_seq();
