@@ -8,10 +8,10 @@
 //! cold state, the body reads of rendering (under load, Sends of 100 ms or more were 70 times as
 //! many as without it). Instead the whole change set is first written as one value
 //! ([`PENDING_KEY`], a redo record), then applied entry by entry with plain inserts (which share
-//! that lock), then the redo record is removed. sled
-//! recovers a prefix of its operations, so after a crash the store holds either the previous
-//! checkpoint untouched (the redo record never landed) or the redo record, which the next
-//! restore applies again, whole, before it reads anything: never a mix.
+//! that lock), then the redo record is removed. sled recovers a prefix of its operations, so
+//! after a crash the store holds either the previous checkpoint untouched (the redo record never
+//! landed) or the redo record, which the next restore applies again, whole, before it reads
+//! anything: never a mix.
 
 use anima_projections::state::{State, FOLD_VERSION};
 

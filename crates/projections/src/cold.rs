@@ -540,15 +540,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn entries_in_use_stay_in_memory_while_idle_ones_leave() {
+    /// A table of keys `0..n` (each worth twice itself), checkpointed into a counted store.
+    fn checkpointed_table(n: u64) -> (Arc<Counted>, Cold, ColdTable<u64, u64>) {
         let store = Arc::new(Counted::default());
         let cold = Cold::new(store.clone());
         let mut table: ColdTable<u64, u64> = ColdTable::default();
-        for key in 0..10_000 {
+        for key in 0..n {
             table.insert(key, key * 2);
         }
         checkpoint(&mut table, &store);
+        (store, cold, table)
+    }
+
+    #[test]
+    fn entries_in_use_stay_in_memory_while_idle_ones_leave() {
+        let (store, cold, mut table) = checkpointed_table(10_000);
         // The first round lets one entry go; the hand has passed every entry once.
         assert_eq!(table.evict(1), 1);
         let busy: Vec<u64> = (0..10_000).step_by(10).collect();
@@ -574,13 +580,7 @@ mod tests {
 
     #[test]
     fn an_entry_written_since_the_last_checkpoint_never_leaves() {
-        let store = Arc::new(Counted::default());
-        let cold = Cold::new(store.clone());
-        let mut table: ColdTable<u64, u64> = ColdTable::default();
-        for key in 0..100 {
-            table.insert(key, key);
-        }
-        checkpoint(&mut table, &store);
+        let (_store, cold, mut table) = checkpointed_table(100);
         table.insert(5, 50);
         table.forget(6);
         table.evict(usize::MAX);

@@ -412,10 +412,10 @@ fn read_chunk(
 /// sled's cache. A fingerprint another id shares only costs the read; nothing is guessed.
 ///
 /// The writer thread alone keeps it. At open the tree's entries are counted in small chunks
-/// while no append waits, so a restart does not wait for a scan of the whole window: until the scan is
-/// done, an id at or after the scan's position is read from the tree as before, and the writer
-/// counts its own changes only behind that position (the scan counts the rest when it gets
-/// there). So the count is always exact for the keys it answers for.
+/// while no append waits, so a restart does not wait for a scan of the whole window: until the
+/// scan is done, an id at or after the scan's position is read from the tree as before, and the
+/// writer counts its own changes only behind that position (the scan counts the rest when it
+/// gets there). So the count is always exact for the keys it answers for.
 struct StoredIds {
     counts: FingerprintCount,
     /// The msg-id key the opening scan goes on from; `None` once every entry is counted.
