@@ -27,17 +27,24 @@ pub struct AgentKey(pub u32);
 /// A key type of an [`Interner`]: a dense index.
 pub trait InternKey: Copy + Ord {
     fn from_index(index: u32) -> Self;
+    fn index(self) -> u32;
 }
 
 impl InternKey for SurfaceKey {
     fn from_index(index: u32) -> Self {
         SurfaceKey(index)
     }
+    fn index(self) -> u32 {
+        self.0
+    }
 }
 
 impl InternKey for AgentKey {
     fn from_index(index: u32) -> Self {
         AgentKey(index)
+    }
+    fn index(self) -> u32 {
+        self.0
     }
 }
 
@@ -94,6 +101,10 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
 
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
         self.values.iter()
+    }
+
+    pub fn range<R: std::ops::RangeBounds<K>>(&self, range: R) -> impl Iterator<Item = (&K, &V)> {
+        self.values.range(range)
     }
 
     pub fn len(&self) -> usize {

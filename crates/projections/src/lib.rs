@@ -17,6 +17,7 @@ pub mod journal;
 pub mod linear;
 pub mod memory;
 pub mod memory_slot;
+pub mod page;
 pub mod redact;
 pub mod render;
 pub mod row;

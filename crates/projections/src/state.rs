@@ -20,7 +20,7 @@ use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout and decision rules. A checkpoint taken by another version
 /// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 14;
+pub const FOLD_VERSION: u32 = 15;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -81,6 +81,15 @@ impl KeptVerdict {
 
     fn stored(bytes: &[u8]) -> Self {
         KeptVerdict { decoded: std::sync::OnceLock::new(), stored: Some(bytes.into()) }
+    }
+
+    /// The verdict's checkpoint encoding: the bytes it was restored from, else its encoding.
+    fn encoded(&self) -> std::borrow::Cow<'_, [u8]> {
+        match (&self.stored, self.decoded.get()) {
+            (Some(bytes), _) => std::borrow::Cow::Borrowed(bytes),
+            (None, Some(verdict)) => std::borrow::Cow::Owned(encode(verdict)),
+            (None, None) => unreachable!("a kept verdict is decoded or stored"),
+        }
     }
 
     /// The verdict. `None` only for checkpoint bytes that do not decode: such a verdict counts
@@ -234,36 +243,59 @@ pub struct CheckpointDecodeError {
 
 const META_TAG: u8 = 0;
 
+/// One table's changed entries, each key under its own checkpoint key, or (`paged`) the pages
+/// of its changed keys ([`crate::page`]).
+macro_rules! drain_table {
+    ($table:expr, $tag:expr, $out:ident) => {
+        for (key, value) in $table.drain_changes() {
+            $out.push((tagged($tag, &key), value.map(encode)));
+        }
+    };
+    ($table:expr, $tag:expr, $out:ident, paged) => {{
+        use crate::page::PagedTable;
+        for page in $table.drain_changed_pages() {
+            let entries = $table.page_entries(page);
+            $out.push((tagged($tag, &page), (!entries.is_empty()).then(|| encode(&entries))));
+        }
+    }};
+}
+
+/// Loads one checkpoint entry of a table written by [`drain_table`].
+macro_rules! load_table {
+    ($table:expr, $name:expr, $key:ident, $value:ident) => {
+        $table.load(decode($name, $key)?, decode($name, $value)?)
+    };
+    ($table:expr, $name:expr, $key:ident, $value:ident, paged) => {{
+        let _page: u32 = decode($name, $key)?;
+        let entries: Vec<(_, _)> = decode($name, $value)?;
+        for (key, value) in entries {
+            $table.load(key, value);
+        }
+    }};
+}
+
 macro_rules! state_tables {
-    ($($tag:literal => $field:ident),* $(,)?; cold: $($ctag:ident => $cfield:ident),* $(,)?) => {
+    ($($tag:literal => $field:ident $($paged:ident)?),* $(,)?; cold: $($ctag:ident => $cfield:ident),* $(,)?) => {
         impl State {
             /// Changed entries since the last call, as (key, value) bytes; `None` removes the key.
             /// The fold meta is always included.
             pub fn drain_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
                 let mut out = vec![(vec![META_TAG], Some(encode(&self.meta)))];
                 $(
-                    for (key, value) in self.$field.drain_changes() {
-                        out.push((tagged($tag, &key), value.map(encode)));
-                    }
+                    drain_table!(self.$field, $tag, out $(, $paged)?);
                 )*
                 $(
                     for (key, value) in self.$cfield.drain_changes() {
                         out.push((tagged($ctag, &key), value.map(encode)));
                     }
                 )*
-                // Verdicts in slots of their window: the newest overwrites the one it pushes out.
-                let mut verdict_slots = std::collections::BTreeMap::new();
-                for (seq, kept) in self.verdicts.drain_changes() {
-                    let slot = seq % VERDICTS_KEPT_MAX as u64;
-                    match (verdict_slots.get(&slot), kept.and_then(KeptVerdict::get)) {
-                        (Some(Some(_)), None) => {}
-                        (_, verdict) => {
-                            verdict_slots.insert(slot, verdict.map(|verdict| encode(&(seq, verdict))));
-                        }
-                    }
-                }
-                for (slot, value) in verdict_slots {
-                    out.push((tagged(VERDICTS_TAG, &slot.to_be_bytes()), value));
+                // Verdicts in pages of their window's slots (seq modulo the window): the newest
+                // takes the slot of the one it pushes out, and a page is written whole.
+                let pages: std::collections::BTreeSet<u64> =
+                    self.verdicts.drain_changes().into_iter().map(|(seq, _)| verdict_page(seq)).collect();
+                for page in pages {
+                    let entries = self.verdict_page_entries(page);
+                    out.push((tagged(VERDICTS_TAG, &page), (!entries.is_empty()).then(|| encode(&entries))));
                 }
                 // A queue: its header, and each item that changed under its own key.
                 self.queues.drain_changes_mut(|agent, queue| {
@@ -285,17 +317,19 @@ macro_rules! state_tables {
                 match *tag {
                     META_TAG => self.meta = decode("meta", value)?,
                     $(
-                        $tag => self.$field.load(decode(stringify!($field), rest)?, decode(stringify!($field), value)?),
+                        $tag => load_table!(self.$field, stringify!($field), rest, value $(, $paged)?),
                     )*
                     $(
                         $ctag => self.$cfield.load(decode(stringify!($cfield), rest)?, decode(stringify!($cfield), value)?),
                     )*
                     VERDICTS_TAG => {
-                        // Only the seq is decoded here: the verdict waits in its bytes until
+                        // Only the seqs are decoded here: each verdict waits in its bytes until
                         // it is read (most kept verdicts never are after a restart).
-                        let (seq, verdict) = postcard::take_from_bytes::<u64>(value)
-                            .map_err(|e| CheckpointDecodeError { table: "verdicts", reason: e.to_string() })?;
-                        self.verdicts.load(seq, KeptVerdict::stored(verdict));
+                        let _page: u64 = decode("verdicts", rest)?;
+                        let entries: Vec<(u64, &[u8])> = decode_borrowed("verdicts", value)?;
+                        for (seq, verdict) in entries {
+                            self.verdicts.load(seq, KeptVerdict::stored(verdict));
+                        }
                     }
                     QUEUES_TAG => {
                         let agent: String = decode("queues", rest)?;
@@ -419,12 +453,12 @@ macro_rules! state_tables {
 state_tables! {
     1 => agents,
     2 => slack_identities,
-    3 => journals,
+    3 => journals paged,
     6 => cursors,
     // 9 held the settle order before `settled` kept it in its key.
     11 => subscriptions,
     12 => chat_identities,
-    13 => chat_kinds,
+    13 => chat_kinds paged,
     14 => linear_receipts,
     15 => linear_receipt_order,
     16 => linear_responses,
@@ -433,15 +467,15 @@ state_tables! {
     19 => memory_config,
     20 => memory_gates,
     21 => memory_open,
-    22 => surfaces,
-    23 => agent_keys,
+    22 => surfaces paged,
+    23 => agent_keys paged,
     24 => linear_sessions,
     25 => linear_session_order,
     28 => posted_sends,
     29 => posted_send_order,
     30 => notices_owed,
     31 => do_not_contact,
-    32 => dm_members;
+    32 => dm_members paged;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -452,8 +486,17 @@ state_tables! {
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
 const QUEUES_TAG: u8 = 7;
-/// Verdicts: slot (seq modulo the window, big-endian) → (seq, verdict).
+/// Verdicts: page of slots (seq modulo the window, [`VERDICTS_PER_PAGE`] slots a page) → the
+/// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
+/// Verdict slots per checkpoint page: every event records a verdict, so one entry per verdict was
+/// a quarter of a checkpoint's entries under load, and 65,536 entries for a restore to read.
+const VERDICTS_PER_PAGE: u64 = 64;
+
+/// The checkpoint page of the verdict at `seq`.
+fn verdict_page(seq: u64) -> u64 {
+    (seq % VERDICTS_KEPT_MAX as u64) / VERDICTS_PER_PAGE
+}
 const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
@@ -473,12 +516,33 @@ pub(crate) fn tagged<T: Serialize>(tag: u8, key: &T) -> Vec<u8> {
 }
 
 fn decode<T: for<'de> Deserialize<'de>>(table: &'static str, bytes: &[u8]) -> Result<T, CheckpointDecodeError> {
+    decode_borrowed(table, bytes)
+}
+
+/// [`decode`] into a value that borrows from `bytes`.
+fn decode_borrowed<'a, T: Deserialize<'a>>(table: &'static str, bytes: &'a [u8]) -> Result<T, CheckpointDecodeError> {
     postcard::from_bytes(bytes).map_err(|e| CheckpointDecodeError { table, reason: e.to_string() })
 }
 
 impl State {
     pub fn new() -> Self {
         State::default()
+    }
+
+    /// The kept verdicts of a checkpoint page, as (seq, encoded verdict), in seq order. The
+    /// window holds the newest [`VERDICTS_KEPT_MAX`] seqs, so a page's slots hold seqs of the
+    /// window's current cycle and of the one before.
+    fn verdict_page_entries(&self, page: u64) -> Vec<(u64, std::borrow::Cow<'_, [u8]>)> {
+        let window = VERDICTS_KEPT_MAX as u64;
+        let cycle = self.meta.applied_seq / window;
+        let cycles = if cycle == 0 { 0..=0 } else { cycle - 1..=cycle };
+        cycles
+            .flat_map(|cycle| {
+                let first = cycle * window + page * VERDICTS_PER_PAGE;
+                self.verdicts.range(first..first + VERDICTS_PER_PAGE)
+            })
+            .map(|(seq, kept)| (*seq, kept.encoded()))
+            .collect()
     }
 
     /// The verdict recorded for the event at `seq`, if still kept.
@@ -584,7 +648,15 @@ impl State {
         let surface = |key: SurfaceKey| self.surfaces.get(key).map(ToString::to_string);
         let agent = |key: AgentKey| self.agent_keys.get(key).cloned();
         let named = match table {
-            "journals" | "chat_kinds" | "surfaces" => surface(postcard::from_bytes(rest).ok()?)?,
+            "journals" | "chat_kinds" | "surfaces" | "dm_members" => {
+                let keys = crate::page::page_keys::<SurfaceKey>(postcard::from_bytes(rest).ok()?);
+                let (first, last) = (surface(*keys.start()), surface(*keys.end()));
+                match (first, last) {
+                    (Some(first), Some(last)) => format!("page of surfaces {first} to {last}"),
+                    (Some(first), None) => format!("page of surfaces from {first}"),
+                    _ => return None,
+                }
+            }
             "identities" => {
                 let (on, ts): (SurfaceKey, String) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ts})", surface(on)?)
@@ -597,7 +669,10 @@ impl State {
                 let (of, on): AgentSurface = postcard::from_bytes(rest).ok()?;
                 format!("({}, {})", agent(of)?, surface(on)?)
             }
-            "agent_keys" => agent(postcard::from_bytes(rest).ok()?)?,
+            "agent_keys" => {
+                let keys = crate::page::page_keys::<AgentKey>(postcard::from_bytes(rest).ok()?);
+                format!("page of agents from {}", agent(*keys.start())?)
+            }
             _ => return None,
         };
         Some(format!("{table} {named}"))
@@ -646,13 +721,60 @@ mod kept_verdict_tests {
     #[test]
     fn a_restored_verdict_reads_as_recorded_and_damaged_bytes_read_as_not_kept() {
         let recorded = crate::verdict::refused(RefusalKind::InvalidArgument, "agent_id is empty");
-        let bytes = encode(&(7u64, recorded.clone()));
+        let mut folded = State::new();
+        folded.meta.applied_seq = 7;
+        folded.verdicts.insert(7, KeptVerdict::new(recorded.clone()));
+        let changes = folded.drain_changes();
+        let (key, bytes) = changes.iter().find(|(key, _)| key[0] == VERDICTS_TAG).expect("a verdict page");
         let mut restored = State::new();
-        restored.load_entry(&tagged(VERDICTS_TAG, &7u64.to_be_bytes()), &bytes).expect("loads");
+        restored.load_entry(key, bytes.as_deref().expect("a page")).expect("loads");
         assert_eq!(restored.verdict(7), Some(&recorded), "decoded on first read");
         assert_eq!(restored.verdict(7), Some(&recorded), "and the same on the next");
         assert_eq!(restored.verdicts.get(&7), Some(&KeptVerdict::new(recorded)));
         let damaged = KeptVerdict::stored(&[0xff, 0xff, 0xff]);
         assert_eq!(damaged.get(), None, "bytes that do not decode are not a verdict");
+    }
+
+    /// A page holds the slots of the window's current cycle and of the one before: a verdict
+    /// pushed out of the window leaves its page, and a page whose verdicts all left is removed.
+    #[test]
+    fn verdict_pages_hold_exactly_the_kept_window() {
+        let window = VERDICTS_KEPT_MAX as u64;
+        let last = (2 * window + 500) / 10 * 10;
+        let mut folded = State::new();
+        let mut store = std::collections::BTreeMap::new();
+        // Every tenth seq records a verdict, across two wraps of the window, with a checkpoint
+        // now and then; the store applies each checkpoint's entries.
+        for seq in (10..=last).step_by(10) {
+            folded.meta.applied_seq = seq;
+            let verdict = crate::verdict::refused(RefusalKind::InvalidArgument, format!("event {seq}"));
+            folded.verdicts.insert(seq, KeptVerdict::new(verdict));
+            while folded.verdicts.first_key().is_some_and(|first| *first + window <= seq) {
+                folded.verdicts.pop_first();
+            }
+            if seq % 7_000 == 0 || seq == last {
+                for (key, value) in folded.drain_changes() {
+                    match value {
+                        Some(value) => store.insert(key, value),
+                        None => store.remove(&key),
+                    };
+                }
+            }
+        }
+        let mut restored = State::new();
+        for (key, value) in &store {
+            restored.load_entry(key, value).expect("loads");
+        }
+        let kept = |state: &State| -> Vec<(u64, Option<Verdict>)> {
+            state.verdicts.iter().map(|(seq, kept)| (*seq, kept.get().cloned())).collect()
+        };
+        let (restored_kept, folded_kept) = (kept(&restored), kept(&folded));
+        assert_eq!(
+            (restored_kept.first().map(|k| k.0), restored_kept.last().map(|k| k.0), restored_kept.len()),
+            (folded_kept.first().map(|k| k.0), folded_kept.last().map(|k| k.0), folded_kept.len())
+        );
+        assert!(restored_kept == folded_kept, "the store holds the kept window, no more");
+        let pages = store.keys().filter(|key| key[0] == VERDICTS_TAG).count() as u64;
+        assert_eq!(pages, window / VERDICTS_PER_PAGE, "one entry per page of slots");
     }
 }
