@@ -124,12 +124,20 @@ impl State {
     /// The agent a Slack author belongs to: its user id is an agent's bot user id, or its bot id
     /// is an agent's bot id or bot user id.
     fn slack_owner(&self, user_id: &str, bot_id: &str) -> Option<String> {
-        let lookup = |key: String| self.slack_identities.get(&key).cloned();
-        (!user_id.is_empty())
-            .then(|| lookup(format!("u:{user_id}")))
-            .flatten()
-            .or_else(|| (!bot_id.is_empty()).then(|| lookup(format!("b:{bot_id}"))).flatten())
-            .or_else(|| (!bot_id.is_empty()).then(|| lookup(format!("u:{bot_id}"))).flatten())
+        // One key buffer for the (up to three) lookups of every message.
+        let mut key = String::with_capacity(2 + user_id.len().max(bot_id.len()));
+        for (prefix, id) in [("u:", user_id), ("b:", bot_id), ("u:", bot_id)] {
+            if id.is_empty() {
+                continue;
+            }
+            key.clear();
+            key.push_str(prefix);
+            key.push_str(id);
+            if let Some(agent) = self.slack_identities.get(key.as_str()) {
+                return Some(agent.clone());
+            }
+        }
+        None
     }
 
     fn observe_slack_message(&mut self, at: LogPosition, message: &proto::SlackMessageObserved) -> Verdict {
@@ -327,18 +335,11 @@ impl State {
         let mut wake = None;
         let mut route = None;
         let mut not_queued = None;
-        if let Some(record) = self.agents.get(&agent).cloned() {
+        if let Some(mentioned) = self.agents.get(&agent).map(mentions) {
             if row.is_own(&agent) && existing.is_none() {
                 self.note_own_post(at, &agent, &surface, id);
             }
-            let observed = Observed {
-                surface: &surface,
-                row: &row,
-                direct,
-                mentioned: mentions(&record),
-                is_bot,
-                text: &body.text,
-            };
+            let observed = Observed { surface: &surface, row: &row, direct, mentioned, is_bot, text: &body.text };
             (route, wake, not_queued) = self.route_and_queue(at, &agent, &observed, &body, identity);
         }
         Verdict::Journaled(JournalVerdict {

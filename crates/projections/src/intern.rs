@@ -8,7 +8,6 @@
 //! value → key index is derived from it and only ever looked up, never iterated, so its hash
 //! order cannot leak into anything persisted or compared.
 
-use std::collections::HashMap;
 use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
@@ -53,12 +52,12 @@ impl InternKey for AgentKey {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Interner<K: InternKey, V: Ord + Clone + Hash> {
     values: Table<K, V>,
-    keys: HashMap<V, K>,
+    keys: crate::hashed::HashedMap<V, K>,
 }
 
 impl<K: InternKey, V: Ord + Clone + Hash> Default for Interner<K, V> {
     fn default() -> Self {
-        Interner { values: Table::default(), keys: HashMap::new() }
+        Interner { values: Table::default(), keys: crate::hashed::HashedMap::default() }
     }
 }
 

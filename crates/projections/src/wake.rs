@@ -1,8 +1,7 @@
 //! The wake queue of one agent: items in log order, one active (claimed or running) item at a
 //! time, and the plans that claims prepare and starts apply.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -207,11 +206,11 @@ pub struct AgentQueue {
     changed_slots: BTreeSet<u64>,
     /// The slot of each id in `items`. Derived: rebuilt when a checkpoint loads; only looked up,
     /// never iterated.
-    queued_ids: HashMap<String, u64>,
+    queued_ids: crate::hashed::HashedMap<String, u64>,
     /// Per trigger surface (a fingerprint; the surface itself is compared on a match), the
     /// queued items a start may settle — those not resuming after a restart — as (trigger
     /// ordinal, slot). Derived like `queued_ids`; looked up by fingerprint, ranges in order.
-    coverage: HashMap<u64, BTreeSet<(u64, u64)>>,
+    coverage: crate::hashed::HashedMap<u64, BTreeSet<(u64, u64)>>,
     /// How many items wait, in memory or still in the store: kept by the methods that queue
     /// and take items, and loaded with the header.
     len: u64,
@@ -238,9 +237,8 @@ const SLOT_MIDDLE: u64 = 1 << 63;
 
 /// A hash of a surface with fixed keys. Only compared in memory, never persisted.
 fn surface_fingerprint(surface: &SurfaceId) -> u64 {
-    let mut hasher = std::hash::DefaultHasher::new();
-    surface.hash(&mut hasher);
-    hasher.finish()
+    use std::hash::BuildHasher;
+    crate::hashed::Hasher::default().hash_one(surface)
 }
 
 impl AgentQueue {
