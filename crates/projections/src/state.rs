@@ -490,7 +490,7 @@ const QUEUES_TAG: u8 = 7;
 /// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
 /// Verdict slots per checkpoint page: every event records a verdict, so one entry per verdict was
-/// a quarter of a checkpoint's entries under load, and 65,536 entries for a restore to read.
+/// a quarter of a checkpoint's entries (the fold bench's mix), and 65,536 for a restore to read.
 const VERDICTS_PER_PAGE: u64 = 64;
 
 /// The checkpoint page of the verdict at `seq`.
