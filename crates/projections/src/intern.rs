@@ -12,6 +12,7 @@ use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
 
+use crate::page::PagedTable;
 use crate::surface::SurfaceId;
 use crate::table::Table;
 
@@ -134,3 +135,17 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
 pub type SurfaceInterner = Interner<SurfaceKey, SurfaceId>;
 /// Agent ids by key.
 pub type AgentInterner = Interner<AgentKey, String>;
+
+/// An interner is checkpointed in pages of its keys, as its values table is.
+impl<K: InternKey + Serialize, V: Ord + Clone + Hash + Serialize> PagedTable for Interner<K, V> {
+    type Key = K;
+    type Value = V;
+
+    fn drain_changed_pages(&mut self) -> std::collections::BTreeSet<u32> {
+        self.values.drain_changed_pages()
+    }
+
+    fn page_entries(&self, page: u32) -> Vec<(&K, &V)> {
+        self.values.page_entries(page)
+    }
+}

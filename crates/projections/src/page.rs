@@ -6,19 +6,17 @@
 //! mostly the store's work per entry, not the bytes. On a history of 1,000,000 events over
 //! 100,000 surfaces the restore read 505,000 entries in 0.94 s, and a raw scan of the same store
 //! took about 1.3 µs per entry; the five tables keyed by a surface or an agent key were 310,000
-//! of those entries. Paged, they are 1/64 as many. Under load each checkpoint writes fewer
-//! entries too: the surfaces a busy stretch of the log touches were interned close together.
+//! of those entries. Paged, they are 1/64 as many.
 //!
 //! A page is rewritten whole when any of its keys changes: at most [`KEYS_PER_PAGE`] small
 //! entries per changed page, whatever the history's length.
 
 use std::collections::BTreeSet;
-use std::hash::Hash;
 use std::ops::RangeInclusive;
 
 use serde::Serialize;
 
-use crate::intern::{InternKey, Interner};
+use crate::intern::InternKey;
 use crate::table::Table;
 
 /// Keys per checkpoint page.
@@ -46,19 +44,6 @@ pub trait PagedTable {
 }
 
 impl<K: InternKey + Serialize, V: Serialize> PagedTable for Table<K, V> {
-    type Key = K;
-    type Value = V;
-
-    fn drain_changed_pages(&mut self) -> BTreeSet<u32> {
-        self.drain_changes().into_iter().map(|(key, _)| page_of(key)).collect()
-    }
-
-    fn page_entries(&self, page: u32) -> Vec<(&K, &V)> {
-        self.range(page_keys::<K>(page)).collect()
-    }
-}
-
-impl<K: InternKey + Serialize, V: Ord + Clone + Hash + Serialize> PagedTable for Interner<K, V> {
     type Key = K;
     type Value = V;
 
