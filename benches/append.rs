@@ -2,9 +2,10 @@
 //! store doing the same writes on the same machine, so the ratio shows what the log layer costs:
 //!
 //! * embedded: `EmbeddedLog::append_batch` of 1,000 records against raw sled `apply_batch` +
-//!   `flush` of the same entries (the record under its seq key, the msg-id index entry and the
-//!   expiry entry, byte for byte the same sizes) in a tree of the same kind. The raw side does
-//!   not read: the embedded log also looks up every msg id (dedupe) and scans for expired ids.
+//!   `flush` of the same entries (the record under its seq key and the msg-id index entry, byte
+//!   for byte the same sizes) in a tree of the same kind. The raw side does not read: the
+//!   embedded log also looks up msg ids it may hold (dedupe) and reads its prune cursor's record.
+//!   The run is shorter than the dedupe window, so nothing is pruned on either side.
 //! * JetStream: `JetStreamLog::append_batch` of 10,000 records against raw async-nats publishes
 //!   of the same subjects, payloads and `Nats-Msg-Id` headers into the same stream, with the
 //!   same window of acks in flight (`JetStreamConfig::default().ack_window`) polled together in
@@ -52,7 +53,6 @@ const TEAM: &str = "T0AB12CD3";
 /// Same layout constants as the embedded log's tree (`crates/engine/src/log/embedded.rs`).
 const PREFIX_RECORD: u8 = b'r';
 const PREFIX_MSG_ID: u8 = b'm';
-const PREFIX_EXPIRY: u8 = b't';
 const RECORD_VERSION: u8 = 1;
 
 /// Makes batches of distinct records: subjects and payloads cycle, msg ids never repeat.
@@ -116,7 +116,7 @@ fn payload(index: usize, bytes: usize) -> Vec<u8> {
     envelope.encode_to_vec()
 }
 
-/// The raw baseline of the embedded log: the same three entries per record, one `apply_batch`,
+/// The raw baseline of the embedded log: the same two entries per record, one `apply_batch`,
 /// one `flush`.
 fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u64, timestamp_ns: i64) {
     let mut batch = sled::Batch::default();
@@ -145,12 +145,6 @@ fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u
         msg_id_value[..8].copy_from_slice(&seq.to_be_bytes());
         msg_id_value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
         batch.insert(msg_id_key, &msg_id_value[..]);
-
-        let mut expiry_key = [0u8; 17];
-        expiry_key[0] = PREFIX_EXPIRY;
-        expiry_key[1..9].copy_from_slice(&((timestamp_ns as u64) ^ (1 << 63)).to_be_bytes());
-        expiry_key[9..].copy_from_slice(&seq.to_be_bytes());
-        batch.insert(&expiry_key[..], msg_id);
     }
     tree.apply_batch(batch).expect("raw sled apply_batch");
     tree.flush().expect("raw sled flush");

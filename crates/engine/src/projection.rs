@@ -360,6 +360,7 @@ const EVICTED_PER_ROUND_MAX: usize = 16_384;
 
 /// Lets cold entries leave memory while the state's estimate is over `state_bytes_max`.
 fn evict_over_budget(projection: &Projection, state_bytes_max: usize) {
+    let started = Instant::now();
     let mut state = projection.state();
     let estimate = state.memory_estimate_bytes();
     projection.state_estimate_bytes.store(estimate as u64, Ordering::Relaxed);
@@ -371,9 +372,19 @@ fn evict_over_budget(projection: &Projection, state_bytes_max: usize) {
     let left = estimate.saturating_sub(let_go * anima_projections::state::COLD_ENTRY_BYTES);
     projection.state_estimate_bytes.store(left as u64, Ordering::Relaxed);
     if let_go > 0 {
-        tracing::debug!(let_go, estimate, state_bytes_max, "cold state entries left memory");
+        tracing::debug!(
+            let_go,
+            estimate,
+            state_bytes_max,
+            evict_ms = started.elapsed().as_secs_f64() * 1e3,
+            "cold state entries left memory"
+        );
     }
 }
+
+/// A batch that holds the state lock at least this long is logged (debug): every request waiting
+/// for its verdict waits on it.
+const SLOW_BATCH: Duration = Duration::from_millis(50);
 
 fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
@@ -382,6 +393,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let redacted: Vec<_> =
         batch.iter().map(|r| redactor.redact(r.seq, r.timestamp_ns, &r.subject, &r.payload)).collect();
     let last = {
+        let locked = Instant::now();
         let mut state = projection.state();
         let mut analytics = projection.analytics();
         for (record, event) in batch.iter().zip(redacted) {
@@ -396,6 +408,14 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 Err(_) => state.apply_bytes(at, record.payload.as_ref()),
             }
             analytics.observe_redacted(event, state.verdict(record.seq));
+        }
+        let held = locked.elapsed();
+        if held >= SLOW_BATCH {
+            tracing::debug!(
+                events = batch.len(),
+                held_ms = held.as_secs_f64() * 1e3,
+                "slow fold batch (state lock held)"
+            );
         }
         batch.last().map(|r| r.seq)
     };

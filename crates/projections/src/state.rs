@@ -69,26 +69,30 @@ pub struct AgentRecord {
 /// [`VERDICTS_KEPT_MAX`] kept verdicts up front: measured on a 1.6M-event history, they were half
 /// of what a restore took, and most of them are never read again.
 #[derive(Clone, Debug)]
-pub struct KeptVerdict {
-    decoded: std::sync::OnceLock<Verdict>,
-    stored: Option<Box<[u8]>>,
+pub struct KeptVerdict(Kept);
+
+#[derive(Clone, Debug)]
+enum Kept {
+    /// As the fold recorded it.
+    Recorded(Verdict),
+    /// As a checkpoint holds it; decoded (or found not to decode) on the first read.
+    Stored { bytes: Box<[u8]>, decoded: std::sync::OnceLock<Option<Verdict>> },
 }
 
 impl KeptVerdict {
     pub fn new(verdict: Verdict) -> Self {
-        KeptVerdict { decoded: std::sync::OnceLock::from(verdict), stored: None }
+        KeptVerdict(Kept::Recorded(verdict))
     }
 
     fn stored(bytes: &[u8]) -> Self {
-        KeptVerdict { decoded: std::sync::OnceLock::new(), stored: Some(bytes.into()) }
+        KeptVerdict(Kept::Stored { bytes: bytes.into(), decoded: std::sync::OnceLock::new() })
     }
 
     /// The verdict's checkpoint encoding: the bytes it was restored from, else its encoding.
     fn encoded(&self) -> std::borrow::Cow<'_, [u8]> {
-        match (&self.stored, self.decoded.get()) {
-            (Some(bytes), _) => std::borrow::Cow::Borrowed(bytes),
-            (None, Some(verdict)) => std::borrow::Cow::Owned(encode(verdict)),
-            (None, None) => unreachable!("a kept verdict is decoded or stored"),
+        match &self.0 {
+            Kept::Recorded(verdict) => std::borrow::Cow::Owned(encode(verdict)),
+            Kept::Stored { bytes, .. } => std::borrow::Cow::Borrowed(bytes),
         }
     }
 
@@ -96,11 +100,12 @@ impl KeptVerdict {
     /// as not kept (a request retried after it is answered as one whose verdict left the window)
     /// rather than being guessed.
     pub fn get(&self) -> Option<&Verdict> {
-        if let Some(verdict) = self.decoded.get() {
-            return Some(verdict);
+        match &self.0 {
+            Kept::Recorded(verdict) => Some(verdict),
+            Kept::Stored { bytes, decoded } => {
+                decoded.get_or_init(|| decode::<Verdict>("verdicts", bytes).ok()).as_ref()
+            }
         }
-        let decoded = decode::<Verdict>("verdicts", self.stored.as_deref()?).ok()?;
-        Some(self.decoded.get_or_init(|| decoded))
     }
 }
 

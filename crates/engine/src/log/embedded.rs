@@ -8,8 +8,17 @@
 //! |---|---|---|
 //! | `r` + seq (u64 BE) | record: timestamp, subject, msg id, payload | the log, in seq order |
 //! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
-//! | `t` + timestamp + seq | msg id | finds expired msg ids to prune, oldest first |
-//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding |
+//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor |
+//!
+//! Pruning: a msg-id entry leaves once its record is older than the dedupe window. Timestamps
+//! are strictly monotonic with seq (below), so the records themselves are the expiry order: the
+//! writer walks them from a persisted cursor (`x` `prune_from`, the first seq whose msg id it has
+//! not yet considered), written in the same batch as the removals. Each append writes two
+//! entries, and pruning removes one. Builds before this kept a third index, `t` + timestamp +
+//! seq, written per append and removed by the pruning; a tree that still holds such keys has
+//! them removed as they expire, oldest first, so they are gone one window after the upgrade.
+//! An older build opened on the tree again keeps working: its pruning does not see the msg ids
+//! this build appended, so at most one window of their entries stays until this build returns.
 //!
 //! Subjects: a new tree records its subject prefix and the newest subject encoding (layout
 //! `2`). A tree of layout `1` was created before either was recorded: it was written with
@@ -53,13 +62,16 @@ const TREE_NAME: &str = "log";
 
 const PREFIX_RECORD: u8 = b'r';
 const PREFIX_MSG_ID: u8 = b'm';
-const PREFIX_EXPIRY: u8 = b't';
+/// The expiry index of builds before the prune cursor (see the module docs): only removed.
+const PREFIX_LEGACY_EXPIRY: u8 = b't';
 const PREFIX_META: u8 = b'x';
 
 const META_STREAM_ID: &[u8] = b"stream_id";
 const META_FORMAT: &[u8] = b"format";
 const META_SUBJECT_PREFIX: &[u8] = b"subject_prefix";
 const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
+/// The first seq whose msg id the pruning has not considered yet (u64 BE).
+const META_PRUNE_FROM: &[u8] = b"prune_from";
 /// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
 /// Layout version of the trees this build creates: layout 1 plus the subject prefix and
@@ -84,9 +96,11 @@ const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 const READ_CHUNK_RECORDS_MAX: usize = 1024;
 /// Payload bytes one read step returns before yielding.
 const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
-/// Expired msg ids removed per group commit at least; pruning also scales with the group size
-/// so it keeps pace with appends.
+/// Records the pruning considers per group commit at least (and, separately, legacy expiry keys
+/// it removes); it also scales with the group size so it keeps pace with appends.
 const PRUNE_PER_COMMIT_MIN: usize = 256;
+/// A group commit at least this long is logged (debug), with how long its planning took.
+const SLOW_COMMIT: Duration = Duration::from_millis(50);
 
 /// Settings of the embedded log.
 #[derive(Clone, Debug)]
@@ -163,6 +177,7 @@ impl EmbeddedLog {
         let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
         let (stream_id, subjects) = open_metadata(&tree, &config.subject_prefix)?;
         let (last_seq, last_timestamp_ns) = recover_tail(&tree)?;
+        let pruning = Pruning::recover(&tree, last_seq)?;
 
         let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
         let (last_seq_tx, last_seq_rx) = watch::channel(last_seq);
@@ -176,6 +191,7 @@ impl EmbeddedLog {
             duplicate_window_ns: duration_ns(config.duplicate_window),
             group_commit_records_max: config.group_commit_records_max,
             clock: config.clock.clone(),
+            pruning,
             failure: None,
         };
         let writer = std::thread::Builder::new()
@@ -498,7 +514,47 @@ struct LogWriter {
     /// Set when a write or flush failed: the tree's state is then unknown, so every later append
     /// fails closed instead of risking a gap or a reused seq. Reopen to recover.
     clock: Arc<dyn Clock>,
+    /// Where the pruning goes on from, as of the last flushed commit.
+    pruning: Pruning,
     failure: Option<String>,
+}
+
+/// The pruning's position: the persisted cursor, and whether legacy `t` keys may remain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pruning {
+    /// The first seq whose msg id has not been considered.
+    from_seq: u64,
+    /// The tree may still hold `t` keys of an older build.
+    legacy_expiry: bool,
+}
+
+impl Pruning {
+    /// Reads the cursor, or derives it on a tree that has none and records it (flushed) before
+    /// any append: without it, a crash before the first pruning would leave the cursor to be
+    /// derived again after records it never saw.
+    ///
+    /// Derived: an older build's pruning removed its `t` keys oldest first, so the first one
+    /// left names the first record not pruned; with none left, nothing before the tail awaits
+    /// pruning (or the tree is new).
+    fn recover(tree: &sled::Tree, last_seq: u64) -> LogResult<Self> {
+        let first_legacy = tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).next().transpose().map_err(store_error)?;
+        let legacy_expiry = first_legacy.is_some();
+        if let Some(value) = tree.get(meta_key(META_PRUNE_FROM)).map_err(store_error)? {
+            let from_seq = value
+                .as_ref()
+                .try_into()
+                .map(u64::from_be_bytes)
+                .map_err(|_| LogError::Store("embedded log prune cursor is malformed".into()))?;
+            return Ok(Pruning { from_seq, legacy_expiry });
+        }
+        let from_seq = match &first_legacy {
+            Some((key, _)) => expiry_key_seq(key)?,
+            None => last_seq + 1,
+        };
+        tree.insert(meta_key(META_PRUNE_FROM), &from_seq.to_be_bytes()[..]).map_err(store_error)?;
+        tree.flush().map_err(store_error)?;
+        Ok(Pruning { from_seq, legacy_expiry })
+    }
 }
 
 /// What one group commit decided before writing it.
@@ -510,6 +566,8 @@ struct PlannedGroup {
     /// Msg-id keys the batch gives an entry they did not have, and keys whose entry it removes.
     ids_stored: Vec<Vec<u8>>,
     ids_removed: Vec<Vec<u8>>,
+    /// The pruning's position once the batch is written.
+    pruning: Pruning,
 }
 
 impl LogWriter {
@@ -574,8 +632,20 @@ impl LogWriter {
     }
 
     fn write_group(&mut self, group: &[AppendRequest]) -> LogResult<Vec<Vec<AppendOutcome>>> {
+        let started = std::time::Instant::now();
         let planned = self.plan_group(group)?;
+        let planned_at = started.elapsed();
+        let records: usize = planned.outcomes.iter().map(Vec::len).sum();
         let written = self.tree.apply_batch(planned.batch).and_then(|()| self.tree.flush().map(|_| ()));
+        let took = started.elapsed();
+        if took >= SLOW_COMMIT {
+            tracing::debug!(
+                records,
+                plan_ms = planned_at.as_secs_f64() * 1e3,
+                commit_ms = took.as_secs_f64() * 1e3,
+                "slow group commit"
+            );
+        }
         if let Err(e) = written {
             let message = format!("sled write failed: {e}");
             tracing::error!(error = %e, "embedded log write failed; refusing further appends");
@@ -588,6 +658,7 @@ impl LogWriter {
         for key in &planned.ids_removed {
             self.stored_ids.removed(key);
         }
+        self.pruning = planned.pruning;
         if planned.last_seq != self.last_seq {
             self.last_seq = planned.last_seq;
             self.last_timestamp_ns = planned.last_timestamp_ns;
@@ -639,54 +710,76 @@ impl LogWriter {
                 last_timestamp_ns = timestamp_ns;
                 batch.insert(&record_key(last_seq)[..], encode_record(timestamp_ns, record));
                 batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
-                batch.insert(&expiry_key(timestamp_ns, last_seq)[..], record.msg_id.as_bytes());
                 stored_here.insert(record.msg_id.as_str(), last_seq);
                 request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
             }
             outcomes.push(request_outcomes);
         }
 
-        let ids_removed = self.plan_pruning(
+        let (ids_removed, pruning) = self.plan_pruning(
             &mut batch,
             &stored_here,
             last_timestamp_ns.max(now_ns).saturating_sub(self.duplicate_window_ns),
             (records_total * 2).max(PRUNE_PER_COMMIT_MIN),
         )?;
-        Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns, ids_stored, ids_removed })
+        Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns, ids_stored, ids_removed, pruning })
     }
 
-    /// Removes up to `limit` msg ids stored before `window_start_ns`, oldest first. The msg-id
-    /// entry goes only if it still points at the expired seq: the same id may have been stored
-    /// again after it expired, in an earlier group or in this one. Returns the msg-id keys whose
-    /// entry goes.
+    /// Considers up to `limit` flushed records older than `window_start_ns`, from the cursor on,
+    /// and removes their msg-id entries. An entry goes only if it still points at the expired
+    /// seq: the same id may have been stored again after it expired, in an earlier group or in
+    /// this one. Also removes up to `limit` expired legacy `t` keys while any remain. Returns the
+    /// msg-id keys whose entry goes and the pruning's position after the batch.
     fn plan_pruning(
         &self,
         batch: &mut sled::Batch,
         stored_here: &HashMap<&str, u64>,
         window_start_ns: i64,
         limit: usize,
-    ) -> LogResult<Vec<Vec<u8>>> {
+    ) -> LogResult<(Vec<Vec<u8>>, Pruning)> {
         let mut removed = Vec::new();
-        let start = [PREFIX_EXPIRY];
-        let end = expiry_key(window_start_ns, 0);
-        for entry in self.tree.range(&start[..]..&end[..]).take(limit) {
-            let (key, msg_id) = entry.map_err(store_error)?;
-            batch.remove(key.clone());
-            let expired_seq = expiry_key_seq(&key)?;
-            let msg_id_str =
-                std::str::from_utf8(&msg_id).map_err(|_| LogError::Store("stored msg id is not UTF-8".into()))?;
-            if stored_here.contains_key(msg_id_str) {
-                continue;
-            }
-            let msg_id_key = msg_id_key(msg_id_str);
-            if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
-                if decode_msg_id_entry(&entry)?.0 == expired_seq {
-                    batch.remove(msg_id_key.clone());
-                    removed.push(msg_id_key);
+        let mut pruning = self.pruning;
+        if pruning.from_seq <= self.last_seq {
+            let records = self.tree.range(record_key(pruning.from_seq)..=record_key(self.last_seq));
+            for entry in records.take(limit) {
+                let (key, value) = entry.map_err(store_error)?;
+                let seq = record_key_seq(&key)?;
+                let parts = decode_record_parts(seq, &value)?;
+                if parts.timestamp_ns >= window_start_ns {
+                    break;
+                }
+                pruning.from_seq = seq + 1;
+                if stored_here.contains_key(parts.msg_id) {
+                    continue;
+                }
+                let msg_id_key = msg_id_key(parts.msg_id);
+                if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
+                    if decode_msg_id_entry(&entry)?.0 == seq {
+                        batch.remove(msg_id_key.clone());
+                        removed.push(msg_id_key);
+                    }
                 }
             }
+            if pruning.from_seq != self.pruning.from_seq {
+                batch.insert(meta_key(META_PRUNE_FROM), &pruning.from_seq.to_be_bytes()[..]);
+            }
         }
-        Ok(removed)
+        if pruning.legacy_expiry {
+            let start = [PREFIX_LEGACY_EXPIRY];
+            let end = expiry_key(window_start_ns, 0);
+            let mut expired = 0;
+            for entry in self.tree.range(&start[..]..&end[..]).take(limit) {
+                batch.remove(entry.map_err(store_error)?.0);
+                expired += 1;
+            }
+            // Fewer than asked for: none is left once this batch lands, unless some have not
+            // expired yet.
+            if expired < limit {
+                let newest = self.tree.scan_prefix(start).next_back().transpose().map_err(store_error)?;
+                pruning.legacy_expiry = newest.is_some_and(|(key, _)| key.as_ref() >= &end[..]);
+            }
+        }
+        Ok((removed, pruning))
     }
 }
 
@@ -826,11 +919,11 @@ fn decode_msg_id_entry(value: &[u8]) -> LogResult<(u64, i64)> {
     ))
 }
 
-/// Order-preserving encoding of a signed timestamp followed by the seq, so a byte-ordered range
-/// scan visits msg ids oldest first.
+/// Key of the legacy expiry index: an order-preserving encoding of a signed timestamp followed
+/// by the seq, so a byte-ordered range scan visits msg ids oldest first.
 fn expiry_key(timestamp_ns: i64, seq: u64) -> [u8; 17] {
     let mut key = [0u8; 17];
-    key[0] = PREFIX_EXPIRY;
+    key[0] = PREFIX_LEGACY_EXPIRY;
     key[1..9].copy_from_slice(&((timestamp_ns as u64) ^ (1 << 63)).to_be_bytes());
     key[9..].copy_from_slice(&seq.to_be_bytes());
     key
@@ -879,6 +972,7 @@ fn decode_record(seq: u64, value: &[u8]) -> LogResult<StoredRecord> {
 struct RecordParts<'a> {
     timestamp_ns: i64,
     subject: &'a str,
+    msg_id: &'a str,
     payload: &'a [u8],
 }
 
@@ -913,8 +1007,8 @@ fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
     let subject = std::str::from_utf8(take(subject_len, "subject")?).map_err(|_| malformed("subject is not UTF-8"))?;
     let msg_id_len =
         u16::from_be_bytes(take(2, "msg id length")?.try_into().map_err(|_| malformed("msg id length"))?) as usize;
-    take(msg_id_len, "msg id")?;
-    Ok(RecordParts { timestamp_ns, subject, payload: rest })
+    let msg_id = std::str::from_utf8(take(msg_id_len, "msg id")?).map_err(|_| malformed("msg id is not UTF-8"))?;
+    Ok(RecordParts { timestamp_ns, subject, msg_id, payload: rest })
 }
 
 fn payload_bytes(records: &[AppendRecord]) -> usize {
@@ -936,6 +1030,7 @@ fn writer_stopped() -> LogError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ManualClock;
 
     fn record(subject: &str, msg_id: &str, payload: &'static [u8]) -> AppendRecord {
         AppendRecord { subject: subject.into(), msg_id: msg_id.into(), payload: Bytes::from_static(payload) }
@@ -961,25 +1056,102 @@ mod tests {
         assert_eq!(expiry_key_seq(&expiry_key(5, 77)).expect("seq"), 77);
     }
 
+    const SECOND_NS: i64 = 1_000_000_000;
+
+    fn manual_config(clock: &Arc<ManualClock>) -> EmbeddedConfig {
+        EmbeddedConfig { duplicate_window: Duration::from_secs(60), clock: clock.clone(), ..EmbeddedConfig::default() }
+    }
+
+    fn stored_msg_ids(tree: &sled::Tree) -> Vec<String> {
+        tree.scan_prefix([PREFIX_MSG_ID])
+            .map(|entry| String::from_utf8(entry.expect("entry").0[1..].to_vec()).expect("utf-8"))
+            .collect()
+    }
+
+    fn prune_from(tree: &sled::Tree) -> u64 {
+        let value = tree.get(meta_key(META_PRUNE_FROM)).expect("get").expect("prune cursor");
+        u64::from_be_bytes(value.as_ref().try_into().expect("u64"))
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn expired_msg_ids_are_pruned_and_can_be_stored_again() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
-        let config = EmbeddedConfig { duplicate_window: Duration::from_millis(50), ..EmbeddedConfig::default() };
-        let log = EmbeddedLog::open(db.clone(), config).expect("open");
+        let clock = Arc::new(ManualClock::new(1_000 * SECOND_NS));
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        assert_eq!(prune_from(&tree), 1, "a new tree records its cursor before any append");
         let first = log.append(record("anima.v1.config", "same", b"a")).await.expect("append");
         assert_eq!(first, AppendOutcome::Appended { seq: 1 });
+        log.append(record("anima.v1.config", "other", b"a")).await.expect("append");
+        clock.advance(Duration::from_secs(59));
         let again = log.append(record("anima.v1.config", "same", b"a")).await.expect("append");
-        assert_eq!(again, AppendOutcome::Duplicate { seq: 1 });
-        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert_eq!(again, AppendOutcome::Duplicate { seq: 1 }, "inside the window");
+        clock.advance(Duration::from_secs(2));
         let later = log.append(record("anima.v1.config", "same", b"b")).await.expect("append");
-        assert_eq!(later, AppendOutcome::Appended { seq: 2 });
-        // The expiry entry of seq 1 was pruned by that commit; seq 2's msg id entry survives.
-        let tree = db.open_tree(TREE_NAME).expect("tree");
-        let expiry_entries = tree.scan_prefix([PREFIX_EXPIRY]).count();
-        assert_eq!(expiry_entries, 1);
+        assert_eq!(later, AppendOutcome::Appended { seq: 3 });
+        // Seq 1's entry was overwritten by seq 3, seq 2's expired: one entry each for what is
+        // inside the window, and the cursor past the two expired records.
+        assert_eq!(stored_msg_ids(&tree), ["same"]);
         let entry = tree.get(msg_id_key("same")).expect("get").expect("msg id entry");
-        assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 2);
+        assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 3);
+        assert_eq!(prune_from(&tree), 3);
+        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 0, "no expiry index is written");
+
+        // The cursor survives a reopen: seq 3 expires after it, and nothing before it is read.
+        drop(log);
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
+        clock.advance(Duration::from_secs(61));
+        let newer = log.append(record("anima.v1.config", "newer", b"c")).await.expect("append");
+        assert_eq!(newer, AppendOutcome::Appended { seq: 4 });
+        assert_eq!(stored_msg_ids(&tree), ["newer"]);
+        assert_eq!(prune_from(&tree), 4);
+        drop(log);
+    }
+
+    /// A tree as builds before the prune cursor left it: every record with an expiry key, the
+    /// oldest already pruned. This build derives the cursor from the first expiry key left,
+    /// prunes the rest as they expire and removes every expiry key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tree_with_the_older_expiry_index_is_pruned_and_loses_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let clock = Arc::new(ManualClock::new(1_000 * SECOND_NS));
+        drop(EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("create"));
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        tree.remove(meta_key(META_PRUNE_FROM)).expect("remove");
+        // Seqs 1..=4 a second apart; seq 1 was pruned already (no msg-id entry, no expiry key).
+        for seq in 1..=4u64 {
+            let timestamp_ns = 1_000 * SECOND_NS + seq as i64 * SECOND_NS;
+            let id = format!("old-{seq}");
+            tree.insert(record_key(seq), encode_record(timestamp_ns, &record("anima.v1.config", &id, b"x")))
+                .expect("insert");
+            if seq > 1 {
+                tree.insert(msg_id_key(&id), &encode_msg_id_entry(seq, timestamp_ns)[..]).expect("insert");
+                tree.insert(&expiry_key(timestamp_ns, seq)[..], id.as_bytes()).expect("insert");
+            }
+        }
+        tree.flush().expect("flush");
+
+        clock.set(1_005 * SECOND_NS);
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
+        assert_eq!(prune_from(&tree), 2, "derived from the first expiry key and recorded");
+        let repeat = log.append(record("anima.v1.config", "old-3", b"x")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 3 }, "older ids still dedupe");
+        // Seqs 2 and 3 expire; 4 and the new one do not.
+        clock.set(1_063 * SECOND_NS + SECOND_NS / 2);
+        log.append(record("anima.v1.config", "new-5", b"x")).await.expect("append");
+        assert_eq!(stored_msg_ids(&tree), ["new-5", "old-4"]);
+        assert_eq!(prune_from(&tree), 4);
+        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 1, "seq 4's expiry key has not expired");
+        clock.set(1_070 * SECOND_NS);
+        log.append(record("anima.v1.config", "new-6", b"x")).await.expect("append");
+        assert_eq!(stored_msg_ids(&tree), ["new-5", "new-6"]);
+        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 0);
+        drop(log);
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
+        assert_eq!(prune_from(&tree), 5, "the recorded cursor, not a derived one");
+        drop(log);
     }
 
     /// Reopened on many more msg ids than one step of the opening count takes, the log answers
