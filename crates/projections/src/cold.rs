@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::hash::Hash;
 use std::sync::Arc;
 
-use crate::hashed::{FingerprintCount, HashedIndexMap, HashedSet};
+use crate::hashed::{FingerprintCount, HashedSet, ShardedIndexMap};
 
 use serde::{Deserialize, Serialize};
 
@@ -147,9 +147,10 @@ impl<K: Clone, V> Slots<K, V> for OwnKeys {
 /// that set the bits it clears. Which entries are in memory is never part of a verdict.
 #[derive(Clone, Debug)]
 pub struct ColdTable<K: Ord + Hash + Clone, V, S = OwnKeys> {
-    map: HashedIndexMap<K, Entry<V>>,
-    /// The clock's hand: the index in `map` that [`ColdTable::evict`] looks at next.
-    hand: usize,
+    map: ShardedIndexMap<K, Entry<V>>,
+    /// The clock's hand: the place in `map` (shard, index) that [`ColdTable::evict`] looks at
+    /// next.
+    hand: (usize, usize),
     dirty: HashedSet<K>,
     /// Present entries in memory.
     present: usize,
@@ -193,8 +194,8 @@ impl<K: Ord + Hash + Clone, V: Eq, S> Eq for ColdTable<K, V, S> {}
 impl<K: Ord + Hash + Clone, V, S: Slots<K, V>> Default for ColdTable<K, V, S> {
     fn default() -> Self {
         ColdTable {
-            map: HashedIndexMap::default(),
-            hand: 0,
+            map: ShardedIndexMap::default(),
+            hand: (0, 0),
             dirty: HashedSet::default(),
             present: 0,
             complete: true,
@@ -295,7 +296,9 @@ where
             }
         }
         for key in wanted {
-            self.map.entry(key).or_insert(Entry::new(None));
+            if !self.map.contains_key(&key) {
+                self.map.insert(key, Entry::new(None));
+            }
         }
     }
 
@@ -401,7 +404,7 @@ where
                 out.insert(key, Some(value));
             }
         }
-        for (key, entry) in &self.map {
+        for (key, entry) in self.map.iter() {
             out.insert(key.clone(), entry.value.clone());
         }
         out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
@@ -469,23 +472,28 @@ where
         let mut let_go = 0;
         let mut steps = 2 * self.map.len();
         while let_go < max && steps > 0 && !self.map.is_empty() {
-            steps -= 1;
-            if self.hand >= self.map.len() {
-                self.hand = 0;
+            // Past the end of a shard: on to the next one with entries, giving back the memory
+            // of the one it leaves if letting go left it sparse (one shard at a time, so this
+            // is never a rebuild of the whole table).
+            while self.hand.1 >= self.map.shard_len(self.hand.0) {
+                self.map.shrink_if_sparse(self.hand.0);
+                self.hand = ((self.hand.0 + 1) % crate::hashed::SHARDS, 0);
             }
-            let Some((key, entry)) = self.map.get_index_mut(self.hand) else { break };
+            steps -= 1;
+            let (shard, index) = self.hand;
+            let Some((key, entry)) = self.map.get_index_mut(shard, index) else { break };
             if self.dirty.contains(key) {
                 // Written since the last checkpoint: its bit stays, for a pass once it is clean.
-                self.hand += 1;
+                self.hand.1 += 1;
                 continue;
             }
             if entry.used {
                 entry.used = false;
-                self.hand += 1;
+                self.hand.1 += 1;
                 continue;
             }
-            // The last entry takes this index: the hand looks at it next.
-            let Some((key, entry)) = self.map.swap_remove_index(self.hand) else { break };
+            // The shard's last entry takes this index: the hand looks at it next.
+            let Some((key, entry)) = self.map.swap_remove_index(shard, index) else { break };
             if entry.value.is_some() {
                 let_go += 1;
                 if let Some(counted) = self.let_go.as_mut() {
@@ -494,11 +502,6 @@ where
             }
         }
         self.present -= let_go;
-        // A hashed map keeps its capacity when entries leave: give back what is far beyond use,
-        // or letting go would not lower the memory the table holds.
-        if self.map.capacity() > 4 * self.map.len().max(1024) {
-            self.map.shrink_to(2 * self.map.len());
-        }
         let_go
     }
 }
