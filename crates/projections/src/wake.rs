@@ -203,7 +203,7 @@ pub struct AgentQueue {
     back_taken: u64,
     front_taken: u64,
     /// Slots whose item changed (queued or taken) since the last checkpoint.
-    changed_slots: BTreeSet<u64>,
+    changed_slots: ChangedSlots,
     /// The slot of each id in `items`. Derived: rebuilt when a checkpoint loads; only looked up,
     /// never iterated.
     queued_ids: crate::hashed::HashedMap<String, u64>,
@@ -218,6 +218,33 @@ pub struct AgentQueue {
     /// loads only headers, and an agent's items come into memory the first time the fold
     /// touches its queue ([`crate::State::ensure_queue`]). Item methods assert it is clear.
     items_in_store: bool,
+}
+
+/// Slots whose item changed since the last checkpoint, and how many slots had been taken at the
+/// back and at the front when that checkpoint drained them. Slots are never reused, so a slot
+/// taken after that was in no checkpoint: if its item is gone again, the next checkpoint has
+/// nothing to remove. Only the slots are state; the counts say what the store holds, so they
+/// do not take part in comparisons.
+#[derive(Clone, Debug, Default)]
+struct ChangedSlots {
+    slots: BTreeSet<u64>,
+    back_drained: u64,
+    front_drained: u64,
+}
+
+impl PartialEq for ChangedSlots {
+    fn eq(&self, other: &Self) -> bool {
+        self.slots == other.slots
+    }
+}
+
+impl Eq for ChangedSlots {}
+
+impl ChangedSlots {
+    /// Whether `slot` was taken after the last drain (so no checkpoint holds it).
+    fn taken_since_drain(&self, slot: u64) -> bool {
+        slot >= SLOT_MIDDLE + self.back_drained || slot < SLOT_MIDDLE - self.front_drained
+    }
 }
 
 /// The checkpointed part of an [`AgentQueue`] besides its items.
@@ -329,7 +356,7 @@ impl AgentQueue {
     pub(crate) fn push_back(&mut self, item: WakeItem) {
         let slot = SLOT_MIDDLE + self.back_taken;
         self.back_taken += 1;
-        self.changed_slots.insert(slot);
+        self.changed_slots.slots.insert(slot);
         self.len += 1;
         self.insert(slot, item);
     }
@@ -337,7 +364,7 @@ impl AgentQueue {
     pub(crate) fn push_front(&mut self, item: WakeItem) {
         let slot = SLOT_MIDDLE - 1 - self.front_taken;
         self.front_taken += 1;
-        self.changed_slots.insert(slot);
+        self.changed_slots.slots.insert(slot);
         self.len += 1;
         self.insert(slot, item);
     }
@@ -346,7 +373,7 @@ impl AgentQueue {
     pub(crate) fn remove(&mut self, slot: u64) -> Option<WakeItem> {
         self.assert_items_in_memory();
         let item = self.items.remove(&slot)?;
-        self.changed_slots.insert(slot);
+        self.changed_slots.slots.insert(slot);
         self.len -= 1;
         self.queued_ids.remove(&item.id);
         if !item.resume_after_restart {
@@ -387,6 +414,8 @@ impl AgentQueue {
         self.settled_counter = header.settled_counter;
         self.back_taken = header.back_taken;
         self.front_taken = header.front_taken;
+        self.changed_slots.back_drained = header.back_taken;
+        self.changed_slots.front_drained = header.front_taken;
         self.len = header.queued;
     }
 
@@ -401,15 +430,27 @@ impl AgentQueue {
         self.items.iter().map(|(slot, item)| (*slot, item))
     }
 
-    /// Items changed since the last call, by slot (`None`: taken from the queue).
+    /// Items changed since the last call, by slot (`None`: taken from the queue, and held by
+    /// the last checkpoint; an item queued and taken since then is left out).
     pub fn drain_item_changes(&mut self) -> Vec<(u64, Option<&WakeItem>)> {
-        let changed = std::mem::take(&mut self.changed_slots);
-        changed.into_iter().map(|slot| (slot, self.items.get(&slot))).collect()
+        let drained = std::mem::replace(
+            &mut self.changed_slots,
+            ChangedSlots { slots: BTreeSet::new(), back_drained: self.back_taken, front_drained: self.front_taken },
+        );
+        let items = &self.items;
+        drained
+            .slots
+            .iter()
+            .filter_map(|&slot| match items.get(&slot) {
+                None if drained.taken_since_drain(slot) => None,
+                item => Some((slot, item)),
+            })
+            .collect()
     }
 
     /// Items changed and not yet checkpointed.
     pub fn changed_items_len(&self) -> usize {
-        self.changed_slots.len()
+        self.changed_slots.slots.len()
     }
 
     /// Slots of the queued items that `moved` cursors cover, in queue order: not resuming after

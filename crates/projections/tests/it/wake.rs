@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anima_projections::proto::{envelope::Payload, Envelope, WakeOutcome};
 use anima_projections::render;
+use anima_projections::state::State;
 use anima_projections::text::{ROWS_SHOWN_MAX, TEXT_BYTES_MAX};
 use anima_projections::verdict::{ClaimVerdict, ClaimedWake, Verdict};
 use expect_test::{expect, Expect};
@@ -999,4 +1000,30 @@ fn a_wake_that_meets_a_full_queue_is_recorded_as_not_queued_and_counted() {
     let mut figures = Figures::default();
     figures.observe(&redacted);
     assert_eq!(figures.wakes_not_queued_queue_full, 1, "analytics counts it");
+}
+
+/// Queued wakes are checkpointed one slot each. A wake queued and taken between two checkpoints
+/// was in neither, so the second writes nothing for its slot (a removal of a key the store
+/// never held is a write for nothing: under load most wakes are claimed within a checkpoint's
+/// interval); a wake a checkpoint holds when it is taken is removed by the next one.
+#[test]
+fn a_checkpoint_removes_only_the_queued_wakes_a_checkpoint_held() {
+    fn queue_item_entries(log: &mut TestLog) -> Vec<&'static str> {
+        let changes = log.state.drain_changes();
+        let items = changes.iter().filter(|(key, _)| State::table_of_tag(key[0]) == Some("queue_items"));
+        items.map(|(_, value)| if value.is_some() { "written" } else { "removed" }).collect()
+    }
+    let mut log = TestLog::with(&[anna()]);
+    queue_item_entries(&mut log);
+
+    log.fold(dm_from_human("anna", "D1", &ts(1), "first"));
+    log.fold(claim("anna", "w1"));
+    assert_eq!(queue_item_entries(&mut log), Vec::<&str>::new(), "queued and claimed between checkpoints");
+
+    log.fold(start("anna", "w1"));
+    log.fold(finish("anna", "w1", WakeOutcome::Completed));
+    log.fold(dm_from_human("anna", "D1", &ts(2), "second"));
+    assert_eq!(queue_item_entries(&mut log), ["written"]);
+    log.fold(claim("anna", "w1"));
+    assert_eq!(queue_item_entries(&mut log), ["removed"], "the checkpoint held it");
 }
