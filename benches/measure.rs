@@ -44,6 +44,25 @@ impl Tally {
     }
 }
 
+/// Calls summed: elements and seconds per call.
+pub struct CallSummary {
+    pub elements_per_call: f64,
+    pub seconds_per_call: f64,
+}
+
+impl Tally {
+    /// Elements and seconds per call over every recorded call; `None` when none was recorded.
+    pub fn summary(&self) -> Option<CallSummary> {
+        if self.calls.is_empty() {
+            return None;
+        }
+        let n = self.calls.len() as f64;
+        let elements: u64 = self.calls.iter().map(|c| c.elements).sum();
+        let seconds: f64 = self.calls.iter().map(|c| c.elapsed.as_secs_f64()).sum();
+        Some(CallSummary { elements_per_call: elements as f64 / n, seconds_per_call: seconds / n })
+    }
+}
+
 /// Which side of a comparison a run belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use anima_projections::changes::StateChanges;
 use anima_projections::journal::RowBody;
 use anima_projections::proto;
 use anima_projections::state::{State, FOLD_VERSION};
@@ -290,7 +291,7 @@ async fn run(
         written??;
     }
     result?;
-    let changes = drain_changes(&projection);
+    let changes = take_changes(&projection);
     write_checkpoint(&checkpoints, &stream_identity, changes, true).await?;
     tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
     Ok(())
@@ -342,7 +343,7 @@ async fn follow_and_apply(
             evict_over_budget(projection, config.state_bytes_max);
         }
         if due && writing.is_none() {
-            let changes = drain_changes(projection);
+            let changes = take_changes(projection);
             let (checkpoints, stream_identity) = (checkpoints.clone(), stream_identity.to_owned());
             *writing =
                 Some(tokio::spawn(
@@ -430,25 +431,19 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     }
 }
 
-/// Changed checkpoint entries: (state, analytics counters).
-type Changes = (Vec<(Vec<u8>, Option<Vec<u8>>)>, Vec<(Vec<u8>, Option<Vec<u8>>)>);
+/// Changed checkpoint entries: the state's, taken and not yet encoded, and the analytics
+/// counters'.
+type Changes = (StateChanges, Vec<(Vec<u8>, Option<Vec<u8>>)>);
 
-/// Drains both change sets at one point of the fold (only the runner applies, and it is here),
-/// so the checkpoint's counters cover exactly the events its state has applied.
-fn drain_changes(projection: &Projection) -> Changes {
+/// Takes both change sets at one point of the fold (only the runner applies, and it is here),
+/// so the checkpoint's counters cover exactly the events its state has applied. The fold waits
+/// while this runs, so the state's changes are only copied out here; they are encoded by the
+/// checkpoint write, beside the fold.
+fn take_changes(projection: &Projection) -> Changes {
     let started = Instant::now();
-    let state = projection.state().drain_changes();
+    let state = projection.state().take_changes();
     let analytics = projection.analytics().drain_changes();
-    if tracing::enabled!(tracing::Level::TRACE) {
-        let mut by_tag = std::collections::BTreeMap::<u8, (usize, usize)>::new();
-        for (key, value) in &state {
-            let entry = by_tag.entry(key[0]).or_default();
-            entry.0 += 1;
-            entry.1 += usize::from(value.is_none());
-        }
-        tracing::trace!(?by_tag, "checkpoint entries by table tag (entries, removals)");
-    }
-    tracing::debug!(entries = state.len(), drain_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint drained");
+    tracing::debug!(entries = state.len(), take_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint taken");
     (state, analytics)
 }
 
@@ -459,10 +454,23 @@ async fn write_checkpoint(
     durable: bool,
 ) -> Result<(), RunnerError> {
     let started = Instant::now();
+    let changes = tokio::task::spawn_blocking(move || changes.encode())
+        .await
+        .map_err(|e| RunnerError::Checkpoint(format!("checkpoint encoding task: {e}")))?;
+    let encode_ms = started.elapsed().as_secs_f64() * 1e3;
+    if tracing::enabled!(tracing::Level::TRACE) {
+        let mut by_tag = std::collections::BTreeMap::<u8, (usize, usize)>::new();
+        for (key, value) in &changes {
+            let entry = by_tag.entry(key[0]).or_default();
+            entry.0 += 1;
+            entry.1 += usize::from(value.is_none());
+        }
+        tracing::trace!(?by_tag, "checkpoint entries by table tag (entries, removals)");
+    }
     let entries = changes.len();
     let bytes: usize = changes.iter().map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len)).sum();
     let written = checkpoints.write(stream_identity, changes, analytics, durable).await;
-    tracing::debug!(entries, bytes, write_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint written");
+    tracing::debug!(entries, bytes, encode_ms, write_ms = started.elapsed().as_secs_f64() * 1e3, "checkpoint written");
     written.map_err(|e| RunnerError::Checkpoint(e.to_string()))
 }
 

@@ -191,9 +191,8 @@ pub struct ReplayConfig {
     /// Rebuilt states kept to start later rebuilds from (each is a full copy of the state).
     pub snapshots_kept_max: usize,
     /// Forget the fold's change tracking every this many events: it exists for checkpoints, and
-    /// unbounded it would grow with every key a long rebuild touched. Forgetting costs an
-    /// encoding of every changed entry (`State::drain_changes`), about as long as folding a
-    /// fifth of the events since the last time, so it is rare.
+    /// unbounded it would grow with every key a long rebuild touched. Forgetting costs a copy of
+    /// every changed entry (`State::take_changes`, dropped unencoded), so it is rare.
     pub change_tracking_events_max: u64,
     pub progress: Option<ProgressFn>,
 }
@@ -447,7 +446,7 @@ impl Replayer {
             visit(&record, &rebuilt.state);
             events += 1;
             if !track_changes && events.is_multiple_of(self.config.change_tracking_events_max.max(1)) {
-                rebuilt.state.drain_changes();
+                drop(rebuilt.state.take_changes());
             }
             self.report(started, events, record.seq, to);
         }
@@ -577,7 +576,7 @@ impl ReadCursor {
                 fold.state.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
                 fold.seq = record.seq;
                 if self.events.is_multiple_of(self.change_tracking_events_max) {
-                    fold.state.drain_changes();
+                    drop(fold.state.take_changes());
                 }
             }
             if record.seq < self.from {

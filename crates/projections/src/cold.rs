@@ -428,6 +428,25 @@ where
         out.into_iter().collect()
     }
 
+    /// The keys changed since the last call with a copy of their current value (`None`:
+    /// removed), for a checkpoint that encodes them later ([`crate::changes`]). Only the copy
+    /// happens here; which keys share a slot and the order are worked out when they are
+    /// encoded, off the fold's path.
+    pub fn take_changes(&mut self, tag: u8) -> ColdChanges<K, V, S>
+    where
+        V: Clone,
+    {
+        let dirty = std::mem::take(&mut self.dirty);
+        let entries = dirty
+            .into_iter()
+            .map(|key| {
+                let value = self.map.get(&key).and_then(|entry| entry.value.clone());
+                (key, value)
+            })
+            .collect();
+        ColdChanges { tag, entries, slots: std::marker::PhantomData }
+    }
+
     /// Loads an entry from a checkpoint (by its checkpoint key); not marked changed.
     pub fn load(&mut self, slot: K, value: V) {
         let key = S::key_of(slot, &value);
@@ -503,6 +522,46 @@ where
         }
         self.present -= let_go;
         let_go
+    }
+}
+
+/// A cold table's changes taken for a checkpoint ([`ColdTable::take_changes`]): each changed
+/// key with its value then. Encoded as [`ColdTable::drain_changes`] returns them: one entry per
+/// checkpoint key (slot), in key order, and a removal whose slot a present key takes is not
+/// written.
+pub struct ColdChanges<K, V, S> {
+    tag: u8,
+    entries: Vec<(K, Option<V>)>,
+    slots: std::marker::PhantomData<fn() -> S>,
+}
+
+impl<K, V, S> crate::changes::ChangesPart for ColdChanges<K, V, S>
+where
+    K: Ord + Serialize + Send,
+    V: Serialize + Send,
+    S: Slots<K, V>,
+{
+    fn entries(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn encode_into(self: Box<Self>, out: &mut crate::changes::EncodedChanges) {
+        let mut by_slot: BTreeMap<K, Option<V>> = BTreeMap::new();
+        for (key, value) in self.entries {
+            let slot = S::slot(&key);
+            match by_slot.get(&slot) {
+                Some(Some(_)) if value.is_none() => {}
+                _ => {
+                    by_slot.insert(slot, value);
+                }
+            }
+        }
+        let tag = self.tag;
+        out.extend(
+            by_slot.into_iter().map(|(slot, value)| {
+                (crate::state::tagged(tag, &slot), value.map(|value| crate::state::encode(&value)))
+            }),
+        );
     }
 }
 

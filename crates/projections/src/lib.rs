@@ -6,6 +6,7 @@
 //! event being folded. Folding the same events gives byte-identical state
 //! ([`state::State::canonical_bytes`]).
 
+pub mod changes;
 pub mod cold;
 pub mod cursor;
 pub mod do_not_contact;

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::changes::{EncodedChanges, StateChanges};
 use crate::cold::{Cold, ColdTable};
 use crate::intern::{AgentInterner, AgentKey, SurfaceInterner, SurfaceKey};
 use crate::journal::SurfaceJournal;
@@ -68,8 +69,12 @@ pub struct AgentRecord {
 /// bytes), decoded the first time it is read. A restart then decodes none of the
 /// [`VERDICTS_KEPT_MAX`] kept verdicts up front: measured on a 1.6M-event history, they were half
 /// of what a restore took, and most of them are never read again.
+///
+/// Shared, not copied: a checkpoint takes the kept verdicts of its changed pages
+/// ([`State::take_changes`]) and encodes them after the fold moved on, so taking one is a
+/// reference count, not a copy of the verdict.
 #[derive(Clone, Debug)]
-pub struct KeptVerdict(Kept);
+pub struct KeptVerdict(std::sync::Arc<Kept>);
 
 #[derive(Clone, Debug)]
 enum Kept {
@@ -81,16 +86,16 @@ enum Kept {
 
 impl KeptVerdict {
     pub fn new(verdict: Verdict) -> Self {
-        KeptVerdict(Kept::Recorded(verdict))
+        KeptVerdict(std::sync::Arc::new(Kept::Recorded(verdict)))
     }
 
     fn stored(bytes: &[u8]) -> Self {
-        KeptVerdict(Kept::Stored { bytes: bytes.into(), decoded: std::sync::OnceLock::new() })
+        KeptVerdict(std::sync::Arc::new(Kept::Stored { bytes: bytes.into(), decoded: std::sync::OnceLock::new() }))
     }
 
     /// The verdict's checkpoint encoding: the bytes it was restored from, else its encoding.
     fn encoded(&self) -> std::borrow::Cow<'_, [u8]> {
-        match &self.0 {
+        match &*self.0 {
             Kept::Recorded(verdict) => std::borrow::Cow::Owned(encode(verdict)),
             Kept::Stored { bytes, .. } => std::borrow::Cow::Borrowed(bytes),
         }
@@ -100,7 +105,7 @@ impl KeptVerdict {
     /// as not kept (a request retried after it is answered as one whose verdict left the window)
     /// rather than being guessed.
     pub fn get(&self) -> Option<&Verdict> {
-        match &self.0 {
+        match &*self.0 {
             Kept::Recorded(verdict) => Some(verdict),
             Kept::Stored { bytes, decoded } => {
                 decoded.get_or_init(|| decode::<Verdict>("verdicts", bytes).ok()).as_ref()
@@ -248,24 +253,31 @@ pub struct CheckpointDecodeError {
 
 const META_TAG: u8 = 0;
 
-/// One table's changed entries, each key under its own checkpoint key, or (`paged`) the pages
-/// of its changed keys ([`crate::page`]).
-macro_rules! drain_table {
-    ($table:expr, $tag:expr, $out:ident) => {
-        for (key, value) in $table.drain_changes() {
-            $out.push((tagged($tag, &key), value.map(encode)));
-        }
+/// One table's changed entries, copied out of it: each key under its own checkpoint key, or
+/// (`paged`) the pages of its changed keys ([`crate::page`]).
+macro_rules! take_table {
+    ($table:expr, $tag:expr, $changes:ident) => {
+        $changes.push(crate::changes::Keyed {
+            tag: $tag,
+            entries: $table.drain_changes().into_iter().map(|(key, value)| (key, value.cloned())).collect(),
+        });
     };
-    ($table:expr, $tag:expr, $out:ident, paged) => {{
+    ($table:expr, $tag:expr, $changes:ident, paged) => {{
         use crate::page::PagedTable;
-        for page in $table.drain_changed_pages() {
-            let entries = $table.page_entries(page);
-            $out.push((tagged($tag, &page), (!entries.is_empty()).then(|| encode(&entries))));
-        }
+        let pages: Vec<_> = $table
+            .drain_changed_pages()
+            .into_iter()
+            .map(|page| {
+                let entries: Vec<_> =
+                    $table.page_entries(page).into_iter().map(|(key, value)| (key.clone(), value.clone())).collect();
+                (page, entries)
+            })
+            .collect();
+        $changes.push(crate::changes::Paged { tag: $tag, pages });
     }};
 }
 
-/// Loads one checkpoint entry of a table written by [`drain_table`].
+/// Loads one checkpoint entry of a table written by [`take_table`].
 macro_rules! load_table {
     ($table:expr, $name:expr, $key:ident, $value:ident) => {
         $table.load(decode($name, $key)?, decode($name, $value)?)
@@ -282,35 +294,39 @@ macro_rules! load_table {
 macro_rules! state_tables {
     ($($tag:literal => $field:ident $($paged:ident)?),* $(,)?; cold: $($ctag:ident => $cfield:ident),* $(,)?) => {
         impl State {
-            /// Changed entries since the last call, as (key, value) bytes; `None` removes the key.
-            /// The fold meta is always included.
-            pub fn drain_changes(&mut self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
-                let mut out = vec![(vec![META_TAG], Some(encode(&self.meta)))];
+            /// Changed entries since the last call, copied out of the state and not yet encoded
+            /// ([`crate::changes`]): what a checkpoint writes. The fold meta is always included.
+            pub fn take_changes(&mut self) -> StateChanges {
+                let mut changes = StateChanges::default();
+                changes.push(crate::changes::Single { key: vec![META_TAG], value: self.meta.clone() });
                 $(
-                    drain_table!(self.$field, $tag, out $(, $paged)?);
+                    take_table!(self.$field, $tag, changes $(, $paged)?);
                 )*
                 $(
-                    for (key, value) in self.$cfield.drain_changes() {
-                        out.push((tagged($ctag, &key), value.map(encode)));
-                    }
+                    changes.push(self.$cfield.take_changes($ctag));
                 )*
                 // Verdicts in pages of their window's slots (seq modulo the window): the newest
                 // takes the slot of the one it pushes out, and a page is written whole.
                 let pages: std::collections::BTreeSet<u64> =
                     self.verdicts.drain_changes().into_iter().map(|(seq, _)| verdict_page(seq)).collect();
-                for page in pages {
-                    let entries = self.verdict_page_entries(page);
-                    out.push((tagged(VERDICTS_TAG, &page), (!entries.is_empty()).then(|| encode(&entries))));
-                }
+                let pages: Vec<_> = pages.into_iter().map(|page| (page, self.verdict_page_entries(page))).collect();
+                changes.push(crate::changes::Paged { tag: VERDICTS_TAG, pages });
                 // A queue: its header, and each item that changed under its own key.
+                let mut queues = QueueChanges::default();
                 self.queues.drain_changes_mut(|agent, queue| {
                     let Some(queue) = queue else { return };
-                    out.push((tagged(QUEUES_TAG, agent), Some(encode(&queue.header()))));
-                    for (slot, item) in queue.drain_item_changes() {
-                        out.push((tagged(QUEUE_ITEMS_TAG, &(agent, slot.to_be_bytes())), item.map(encode)));
-                    }
+                    let items = queue.drain_item_changes();
+                    queues.entries += 1 + items.len();
+                    queues.queues.push((agent.clone(), queue.header(), items));
                 });
-                out
+                changes.push(queues);
+                changes
+            }
+
+            /// Changed entries since the last call, as (key, value) bytes; `None` removes the key.
+            /// The fold meta is always included.
+            pub fn drain_changes(&mut self) -> EncodedChanges {
+                self.take_changes().encode()
             }
 
             /// Loads one checkpoint entry written by [`State::drain_changes`].
@@ -491,6 +507,38 @@ state_tables! {
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
 const QUEUES_TAG: u8 = 7;
+
+/// The changed queues taken for a checkpoint: each one's header and its changed items.
+#[derive(Default)]
+struct QueueChanges {
+    queues: Vec<(String, crate::wake::QueueHeader, Vec<crate::wake::ChangedItem>)>,
+    entries: usize,
+}
+
+impl crate::changes::ChangesPart for QueueChanges {
+    fn entries(&self) -> usize {
+        self.entries
+    }
+
+    fn encode_into(self: Box<Self>, out: &mut EncodedChanges) {
+        for (agent, header, items) in self.queues {
+            out.push((tagged(QUEUES_TAG, &agent), Some(encode(&header))));
+            for (slot, item) in items {
+                out.push((tagged(QUEUE_ITEMS_TAG, &(&agent, slot.to_be_bytes())), item.map(|item| encode(&*item))));
+            }
+        }
+    }
+}
+
+/// A kept verdict as its checkpoint encoding (the bytes it was restored from, else its
+/// encoding), written as a byte string inside its page.
+struct VerdictBytes(KeptVerdict);
+
+impl Serialize for VerdictBytes {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        <[u8]>::serialize(&self.0.encoded(), serializer)
+    }
+}
 /// Verdicts: page of slots (seq modulo the window, [`VERDICTS_PER_PAGE`] slots a page) → the
 /// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
@@ -509,7 +557,7 @@ pub(crate) const SETTLED_IDS_TAG: u8 = 33;
 pub(crate) const SETTLED_ORDER_TAG: u8 = 34;
 use crate::journal::JOURNAL_ROWS_TAG;
 
-fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
+pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     // Serializing plain data into a Vec cannot fail.
     postcard::to_allocvec(value).expect("postcard encodes plain data")
 }
@@ -537,7 +585,7 @@ impl State {
     /// The kept verdicts of a checkpoint page, as (seq, encoded verdict), in seq order. The
     /// window holds the newest [`VERDICTS_KEPT_MAX`] seqs, so a page's slots hold seqs of the
     /// window's current cycle and of the one before.
-    fn verdict_page_entries(&self, page: u64) -> Vec<(u64, std::borrow::Cow<'_, [u8]>)> {
+    fn verdict_page_entries(&self, page: u64) -> Vec<(u64, VerdictBytes)> {
         let window = VERDICTS_KEPT_MAX as u64;
         let cycle = self.meta.applied_seq / window;
         let cycles = if cycle == 0 { 0..=0 } else { cycle - 1..=cycle };
@@ -546,7 +594,7 @@ impl State {
                 let first = cycle * window + page * VERDICTS_PER_PAGE;
                 self.verdicts.range(first..first + VERDICTS_PER_PAGE)
             })
-            .map(|(seq, kept)| (*seq, kept.encoded()))
+            .map(|(seq, kept)| (*seq, VerdictBytes(kept.clone())))
             .collect()
     }
 

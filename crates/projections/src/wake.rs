@@ -193,7 +193,9 @@ pub struct AgentQueue {
     /// Waiting items by slot (queue order); changed only through the methods below, which keep
     /// the indexes in step. Items queued at the back take slots above the middle of the range,
     /// items put back at the front slots below it.
-    items: BTreeMap<u64, WakeItem>,
+    /// Shared with a checkpoint that took them and encodes them beside the fold
+    /// ([`crate::changes`]): taking a changed item copies a reference, not the item.
+    items: BTreeMap<u64, std::sync::Arc<WakeItem>>,
     pub active: Option<ActiveWake>,
     /// How many settles are remembered for this agent (at most [`SETTLED_REMEMBERED_MAX`]).
     pub settled_remembered: u32,
@@ -247,6 +249,10 @@ impl ChangedSlots {
     }
 }
 
+/// A queued item changed since the last checkpoint, by slot (`None`: taken from the queue),
+/// shared with the queue.
+pub type ChangedItem = (u64, Option<std::sync::Arc<WakeItem>>);
+
 /// The checkpointed part of an [`AgentQueue`] besides its items.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueueHeader {
@@ -281,9 +287,9 @@ impl AgentQueue {
 
     /// The waiting items, in queue order. On a restored queue whose items are still in the
     /// store, use [`crate::State::queued_items`] (which reads through).
-    pub fn queued(&self) -> std::collections::btree_map::Values<'_, u64, WakeItem> {
+    pub fn queued(&self) -> impl DoubleEndedIterator<Item = &WakeItem> + ExactSizeIterator + Clone {
         self.assert_items_in_memory();
-        self.items.values()
+        self.items.values().map(|item| &**item)
     }
 
     /// How many items wait (in memory or not).
@@ -337,7 +343,7 @@ impl AgentQueue {
     /// The waiting item in `slot`.
     pub(crate) fn item(&self, slot: u64) -> Option<&WakeItem> {
         self.assert_items_in_memory();
-        self.items.get(&slot)
+        self.items.get(&slot).map(|item| &**item)
     }
 
     fn insert(&mut self, slot: u64, item: WakeItem) {
@@ -349,7 +355,7 @@ impl AgentQueue {
                 .or_default()
                 .insert((item.trigger.ordinal, slot));
         }
-        let replaced = self.items.insert(slot, item);
+        let replaced = self.items.insert(slot, std::sync::Arc::new(item));
         debug_assert!(replaced.is_none(), "a slot holds one item");
     }
 
@@ -372,7 +378,7 @@ impl AgentQueue {
     /// Takes the item in `slot` out of the queue.
     pub(crate) fn remove(&mut self, slot: u64) -> Option<WakeItem> {
         self.assert_items_in_memory();
-        let item = self.items.remove(&slot)?;
+        let item = std::sync::Arc::unwrap_or_clone(self.items.remove(&slot)?);
         self.changed_slots.slots.insert(slot);
         self.len -= 1;
         self.queued_ids.remove(&item.id);
@@ -427,12 +433,12 @@ impl AgentQueue {
     /// Queued items by slot, in queue order (the canonical encoding).
     pub fn slotted(&self) -> impl Iterator<Item = (u64, &WakeItem)> {
         self.assert_items_in_memory();
-        self.items.iter().map(|(slot, item)| (*slot, item))
+        self.items.iter().map(|(slot, item)| (*slot, &**item))
     }
 
     /// Items changed since the last call, by slot (`None`: taken from the queue, and held by
     /// the last checkpoint; an item queued and taken since then is left out).
-    pub fn drain_item_changes(&mut self) -> Vec<(u64, Option<&WakeItem>)> {
+    pub fn drain_item_changes(&mut self) -> Vec<ChangedItem> {
         let drained = std::mem::replace(
             &mut self.changed_slots,
             ChangedSlots { slots: BTreeSet::new(), back_drained: self.back_taken, front_drained: self.front_taken },
@@ -443,7 +449,7 @@ impl AgentQueue {
             .iter()
             .filter_map(|&slot| match items.get(&slot) {
                 None if drained.taken_since_drain(slot) => None,
-                item => Some((slot, item)),
+                item => Some((slot, item.cloned())),
             })
             .collect()
     }
