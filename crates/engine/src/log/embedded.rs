@@ -409,7 +409,7 @@ fn read_chunk(
         let parts = decode_record_parts(seq, &value)?;
         if filter.is_none_or(|filter| filter.matches(parts.subject)) {
             bytes += parts.payload.len();
-            records.push(parts.into_record(seq));
+            records.push(parts.into_record(seq, &value));
             if bytes >= READ_CHUNK_BYTES_MAX {
                 break;
             }
@@ -962,9 +962,9 @@ fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
     value
 }
 
-fn decode_record(seq: u64, value: &[u8]) -> LogResult<StoredRecord> {
+fn decode_record(seq: u64, value: &sled::IVec) -> LogResult<StoredRecord> {
     let parts = decode_record_parts(seq, value)?;
-    Ok(parts.into_record(seq))
+    Ok(parts.into_record(seq, value))
 }
 
 /// A stored record's fields, borrowed from the sled value, so a filtered read copies only the
@@ -977,12 +977,17 @@ struct RecordParts<'a> {
 }
 
 impl RecordParts<'_> {
-    fn into_record(self, seq: u64) -> StoredRecord {
+    /// The record, its payload sharing `value` (the sled value these parts were decoded from,
+    /// whose tail the payload is) instead of a copy: every event the fold applies is read back
+    /// through here, and a rebuild reads the whole log.
+    fn into_record(self, seq: u64, value: &sled::IVec) -> StoredRecord {
+        debug_assert!(value.ends_with(self.payload), "the payload is the tail of its stored value");
+        let payload_from = value.len() - self.payload.len();
         StoredRecord {
             seq,
             subject: self.subject.to_owned(),
             timestamp_ns: self.timestamp_ns,
-            payload: Bytes::copy_from_slice(self.payload),
+            payload: Bytes::from_owner(value.clone()).slice(payload_from..),
         }
     }
 }
@@ -1040,12 +1045,12 @@ mod tests {
     fn record_encoding_round_trips() {
         let original = record("anima.v1.config", "id-1", b"payload");
         let value = encode_record(42, &original);
-        let decoded = decode_record(7, &value).expect("decodes");
+        let decoded = decode_record(7, &sled::IVec::from(value.clone())).expect("decodes");
         assert_eq!(decoded.seq, 7);
         assert_eq!(decoded.timestamp_ns, 42);
         assert_eq!(decoded.subject, original.subject);
         assert_eq!(decoded.payload, original.payload);
-        assert!(decode_record(7, &value[..5]).is_err());
+        assert!(decode_record(7, &sled::IVec::from(&value[..5])).is_err());
     }
 
     #[test]
