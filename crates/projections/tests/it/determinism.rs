@@ -362,13 +362,7 @@ impl Scenario {
 
     /// Writes the changed keys into the checkpoint store, as the runner does.
     fn checkpoint(&mut self) {
-        let mut store = self.checkpoint.0.lock().unwrap();
-        for (key, value) in self.log.state.drain_changes() {
-            match value {
-                Some(value) => store.insert(key, value),
-                None => store.remove(&key),
-            };
-        }
+        write_entries(&mut self.checkpoint.0.lock().unwrap(), self.log.state.drain_changes());
     }
 
     /// Checks determinism and the checkpoint round trip of everything folded so far.
@@ -380,10 +374,7 @@ impl Scenario {
         }
         assert!(again.canonical_bytes() == bytes, "folding the same events again gave different state");
         self.checkpoint();
-        let mut loaded = State::new();
-        for (key, value) in &self.checkpoint.entries() {
-            loaded.load_entry(key, value).expect("checkpoint entries decode");
-        }
+        let loaded = load_entries(&self.checkpoint.entries());
         assert!(loaded.canonical_bytes() == bytes, "state loaded from the checkpoint differs from the folded state");
         // Derived lookup indexes (interned keys, queued ids) are not in the canonical bytes:
         // loading must rebuild them too.
@@ -614,6 +605,25 @@ fn run_with_and_without_eviction(actions: &[Action]) {
     }
 }
 
+/// Writes checkpoint entries into a store as the runner does (`None` removes the key).
+fn write_entries(store: &mut BTreeMap<Vec<u8>, Vec<u8>>, entries: anima_projections::changes::EncodedChanges) {
+    for (key, value) in entries {
+        match value {
+            Some(value) => store.insert(key, value),
+            None => store.remove(&key),
+        };
+    }
+}
+
+/// A state loaded from every entry of a checkpoint store.
+fn load_entries(store: &BTreeMap<Vec<u8>, Vec<u8>>) -> State {
+    let mut loaded = State::new();
+    for (key, value) in store {
+        loaded.load_entry(key, value).expect("checkpoint entries decode");
+    }
+    loaded
+}
+
 /// A checkpoint's changes are taken between two fold batches and encoded later, beside the fold,
 /// which goes on changing the same keys meanwhile (queued wakes taken, verdicts, rows, cursors).
 /// What gets written must be the state as of the take: restored, it equals the state folded up
@@ -630,16 +640,8 @@ fn a_checkpoint_encoded_later_holds_the_state_it_was_taken_from(actions: &[Actio
         scenario.act(action);
     }
     let mut store = scenario.checkpoint.entries();
-    for (key, value) in taken.encode() {
-        match value {
-            Some(value) => store.insert(key, value),
-            None => store.remove(&key),
-        };
-    }
-    let mut loaded = State::new();
-    for (key, value) in &store {
-        loaded.load_entry(key, value).expect("checkpoint entries decode");
-    }
+    write_entries(&mut store, taken.encode());
+    let loaded = load_entries(&store);
     assert!(
         loaded.canonical_bytes() == expected,
         "a checkpoint encoded after the fold moved on differs from the state it was taken from"
