@@ -15,10 +15,11 @@
 //!   aborted → `failed` with the reason. Recording it closes the gate.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::memory_slot::{MemoryPassCalendar, MemoryPassSettings, MemoryPassSettingsError, MemoryPassSlot};
+use crate::memory_slot::{DueSlots, MemoryPassCalendar, MemoryPassSettings, MemoryPassSettingsError, MemoryPassSlot};
 use crate::proto;
 use crate::state::{LogPosition, State};
 use crate::surface::SurfaceId;
@@ -166,7 +167,9 @@ pub struct MemoryGate {
     /// The newest window-day a pass was queued for (`YYYY-MM-DD`; empty: none). A request for
     /// this day or an earlier one is not new.
     pub last_window_day: String,
-    pub last_outcome: Option<MemoryOutcomeRecord>,
+    /// Shared, so a plan reads every agent's gate without copying its record (encoded as the
+    /// record itself).
+    pub last_outcome: Option<Arc<MemoryOutcomeRecord>>,
 }
 
 impl MemoryGate {
@@ -470,7 +473,7 @@ impl State {
         };
         let gate = self.memory_gates.entry_or_default_by(agent);
         gate.newest_outcome_seq = at.seq;
-        gate.last_outcome = Some(record.clone());
+        gate.last_outcome = Some(Arc::new(record.clone()));
         record
     }
 
@@ -489,15 +492,33 @@ impl State {
         let config = self.memory_config();
         let open_by_agent: BTreeMap<&str, &OpenPass> =
             self.memory_open.iter().map(|(_, open_pass)| (open_pass.agent.as_str(), open_pass)).collect();
-        let facts_of = |agent: &str, registered: bool| AgentPassFacts {
+        let facts_of = |agent: &str, registered: bool, gate: Option<&MemoryGate>| AgentPassFacts {
             agent: agent.to_owned(),
             registered,
             open_pass: open_by_agent.get(agent).map(|open_pass| (*open_pass).clone()),
-            gate: self.memory_gate(agent),
+            gate: gate.cloned().unwrap_or_default(),
         };
-        let mut agents: Vec<AgentPassFacts> = self.agents.iter().map(|(id, _)| facts_of(id, true)).collect();
+        let mut agents: Vec<AgentPassFacts> = Vec::with_capacity(self.agents.len());
+        // Agents and gates are both ordered by id: one walk over the two pairs each agent with
+        // its gate, no lookup per agent (this runs under the state's lock).
+        let mut gates = self.memory_gates.iter().peekable();
+        for (id, _) in self.agents.iter() {
+            // Most agents have a gate: try equality first (one comparison, each a memory miss).
+            let gate = loop {
+                match gates.peek() {
+                    Some((gate_agent, _)) if *gate_agent == id => break gates.next().map(|(_, gate)| gate),
+                    Some((gate_agent, _)) if gate_agent.as_str() < id.as_str() => drop(gates.next()),
+                    _ => break None,
+                }
+            };
+            agents.push(facts_of(id, true, gate));
+        }
         agents.extend(
-            config.scope_agent_ids.iter().filter(|id| !self.agents.contains_key(*id)).map(|id| facts_of(id, false)),
+            config
+                .scope_agent_ids
+                .iter()
+                .filter(|id| !self.agents.contains_key(*id))
+                .map(|id| facts_of(id, false, self.memory_gates.get(id))),
         );
         PlanFacts { open: self.memory_open.len() as u32, config, agents }
     }
@@ -525,7 +546,8 @@ impl State {
             return None;
         }
         let calendar = config.calendar().ok();
-        let mut entry = plan_entry(&config, calendar.as_ref(), self.agent_pass_facts(agent), as_of_ns);
+        let mut slots = calendar.as_ref().map(|c| c.due_slots(as_of_ns));
+        let mut entry = plan_entry(&config, slots.as_mut(), self.agent_pass_facts(agent));
         if entry.status == PassStatus::WaitingForLimit {
             let open = self.memory_open.len() as u32;
             if open < config.max_concurrent {
@@ -602,23 +624,22 @@ fn pass_status(config: &MemoryConfig, facts: &AgentPassFacts, day: &str) -> (Pas
     (PassStatus::WaitingForLimit, String::new())
 }
 
-/// One agent's line of the plan, before the limit is shared out (see [`pass_status`]).
-fn plan_entry(
-    config: &MemoryConfig,
-    calendar: Option<&MemoryPassCalendar>,
-    facts: AgentPassFacts,
-    as_of_ns: i64,
-) -> PassPlanEntry {
-    let due = calendar.and_then(|c| c.due_slot_at_ns(as_of_ns, &facts.agent));
-    let due_label = match (calendar, &due) {
-        (Some(c), Some(d)) => c.local_label(d.slot),
-        _ => String::new(),
+/// One agent's line of the plan, before the limit is shared out (see [`pass_status`]), with
+/// its slot from the slots due at the plan's instant.
+fn plan_entry(config: &MemoryConfig, slots: Option<&mut DueSlots<'_>>, facts: AgentPassFacts) -> PassPlanEntry {
+    let Some((due, day, label)) = slots.and_then(|slots| slots.of(&facts.agent)) else {
+        let why = "no slot is representable at this instant".to_owned();
+        return PassPlanEntry {
+            agent: facts.agent,
+            due: None,
+            due_label: String::new(),
+            status: PassStatus::Disabled,
+            why,
+            gate: facts.gate,
+        };
     };
-    let (status, why) = match &due {
-        Some(due) => pass_status(config, &facts, &due.local_date_label()),
-        None => (PassStatus::Disabled, "no slot is representable at this instant".to_owned()),
-    };
-    PassPlanEntry { agent: facts.agent, due, due_label, status, why, gate: facts.gate }
+    let (status, why) = pass_status(config, &facts, day);
+    PassPlanEntry { agent: facts.agent, due: Some(due), due_label: label.to_owned(), status, why, gate: facts.gate }
 }
 
 /// One agent as a plan judges it: the facts [`pass_status`] reads.
@@ -643,26 +664,45 @@ pub struct PlanFacts {
 impl PlanFacts {
     /// The plan at `as_of_ns`: slots, statuses and the limit shared out in slot order.
     pub fn plan(self, as_of_ns: i64) -> MemoryPlan {
-        let PlanFacts { config, open, agents } = self;
+        let PlanFacts { config, open, mut agents } = self;
+        // Slot order, then id order: with the agents in id order (as the state reads them) a
+        // sort of (slot, position) pairs gives it without comparing ids or moving entries.
+        if !agents.is_sorted_by(|a, b| a.agent <= b.agent) {
+            agents.sort_by(|a, b| a.agent.cmp(&b.agent));
+        }
         let calendar = config.calendar().ok();
-        let mut entries: Vec<PassPlanEntry> =
-            agents.into_iter().map(|facts| plan_entry(&config, calendar.as_ref(), facts, as_of_ns)).collect();
-        entries.sort_by(|a, b| {
-            let slot = |e: &PassPlanEntry| e.due.as_ref().map_or(i64::MAX, |d| d.slot_at_ns);
-            slot(a).cmp(&slot(b)).then_with(|| a.agent.cmp(&b.agent))
-        });
+        let mut slots = calendar.as_ref().map(|c| c.due_slots(as_of_ns));
+        let mut entries: Vec<Option<PassPlanEntry>> =
+            agents.into_iter().map(|facts| Some(plan_entry(&config, slots.as_mut(), facts))).collect();
+        let mut order: Vec<(i64, usize)> = entries
+            .iter()
+            .enumerate()
+            .map(|(at, e)| (e.as_ref().and_then(|e| e.due.as_ref()).map_or(i64::MAX, |d| d.slot_at_ns), at))
+            .collect();
+        order.sort_unstable();
+        let mut entries: Vec<PassPlanEntry> = order.into_iter().filter_map(|(_, at)| entries[at].take()).collect();
         // The limit, in slot order: the first free places go to the earliest slots.
         let mut free = config.max_concurrent.saturating_sub(open);
+        // The agents left waiting share one sentence per slot, and slot order keeps them together.
+        let mut waiting: Option<(String, String)> = None;
         for entry in entries.iter_mut().filter(|e| e.status == PassStatus::WaitingForLimit) {
             if free > 0 {
                 free -= 1;
                 entry.admit();
-            } else {
-                entry.why = format!(
-                    "due since {}, but {open} passes are open and earlier slots take the rest of maxConcurrent {}",
-                    entry.due_label, config.max_concurrent
-                );
+                continue;
             }
+            let why = match &waiting {
+                Some((label, why)) if *label == entry.due_label => why.clone(),
+                _ => {
+                    let why = format!(
+                        "due since {}, but {open} passes are open and earlier slots take the rest of maxConcurrent {}",
+                        entry.due_label, config.max_concurrent
+                    );
+                    waiting = Some((entry.due_label.clone(), why.clone()));
+                    why
+                }
+            };
+            entry.why = why;
         }
         MemoryPlan { as_of_ns, config, open, entries }
     }

@@ -28,6 +28,8 @@
 //! the next day's instant; [`MemoryPassCalendar::due_slot`] then names the day that exists, so the
 //! skipped day (which nobody lived through) has no pass.
 
+use std::collections::BTreeMap;
+
 use jiff::civil::{Date, DateTime, Time};
 use jiff::tz::{TimeZone, TimeZoneDatabase};
 use jiff::{SignedDuration, Timestamp};
@@ -191,7 +193,12 @@ pub fn agent_offset_minutes(agent_id: &str, window_minutes: u16) -> u32 {
 /// pass request only for an id it has not seen, so one pass runs per agent and window-day. The
 /// date is always the last 10 bytes, so an agent id containing `:` stays unambiguous.
 pub fn pass_id(agent_id: &str, window_day: Date) -> String {
-    format!("memory-pass:{agent_id}:{}", date_label(window_day))
+    pass_id_of_day(agent_id, &date_label(window_day))
+}
+
+/// [`pass_id`] with the window-day already written as `YYYY-MM-DD`.
+fn pass_id_of_day(agent_id: &str, date_label: &str) -> String {
+    format!("memory-pass:{agent_id}:{date_label}")
 }
 
 /// `YYYY-MM-DD` (years 0000..=9999, which covers every instant of the i64-nanosecond log clock).
@@ -283,7 +290,18 @@ impl MemoryPassCalendar {
     /// `None` only at the ends of the representable range.
     pub fn due_slot(&self, now: Timestamp, agent_id: &str) -> Option<MemoryPassSlot> {
         let today = self.zone.to_datetime(now).date();
-        let slot_minutes = self.slot_minutes(agent_id);
+        let (slot, local_date) = self.due_at_minutes(now, today, self.slot_minutes(agent_id))?;
+        Some(MemoryPassSlot {
+            slot,
+            slot_at_ns: timestamp_ns(slot)?,
+            local_date,
+            pass_id: pass_id(agent_id, local_date),
+        })
+    }
+
+    /// The rule of [`MemoryPassCalendar::due_slot`] for a slot `slot_minutes` after local
+    /// midnight, with `today` the local date of `now`: the slot's instant and its window-day.
+    fn due_at_minutes(&self, now: Timestamp, today: Date, slot_minutes: i64) -> Option<(Timestamp, Date)> {
         let mut due: Option<(Timestamp, Date)> = None;
         let mut window_day = today;
         for _ in 0..=DUE_SLOT_DAYS_BACK {
@@ -296,13 +314,17 @@ impl MemoryPassCalendar {
             let Ok(day_before) = window_day.yesterday() else { break };
             window_day = day_before;
         }
-        let (slot, local_date) = due?;
-        Some(MemoryPassSlot {
-            slot,
-            slot_at_ns: timestamp_ns(slot)?,
-            local_date,
-            pass_id: pass_id(agent_id, local_date),
-        })
+        due
+    }
+
+    /// The slots due at `now` for many agents: [`DueSlots::of`] gives what
+    /// [`MemoryPassCalendar::due_slot`] gives, doing the zone math and the labels once per
+    /// distinct offset rather than once per agent (10,000 agents over a 120-minute window share
+    /// at most 120 slots).
+    pub fn due_slots(&self, now_at_ns: i64) -> DueSlots<'_> {
+        let now = Timestamp::from_nanosecond(i128::from(now_at_ns)).ok();
+        let today = now.map(|now| self.zone.to_datetime(now).date());
+        DueSlots { calendar: self, now: now.zip(today), by_minutes: BTreeMap::new() }
     }
 
     /// [`MemoryPassCalendar::due_slot`] with `now` as unix nanoseconds (the log's clock).
@@ -339,6 +361,56 @@ impl MemoryPassCalendar {
     /// e.g. `2024-03-10 03:30 EDT`.
     pub fn local_label(&self, at: Timestamp) -> String {
         at.to_zoned_datetime(self.zone.clone()).strftime("%Y-%m-%d %H:%M %Z").to_string()
+    }
+}
+
+/// The slots due at one instant, computed once per distinct slot time
+/// ([`MemoryPassCalendar::due_slots`]).
+pub struct DueSlots<'a> {
+    calendar: &'a MemoryPassCalendar,
+    /// The instant and its local date; `None` outside the representable range.
+    now: Option<(Timestamp, Date)>,
+    /// By minutes from local midnight to the slot: the due slot, if one is representable.
+    by_minutes: BTreeMap<i64, Option<DueAt>>,
+}
+
+/// A due slot shared by every agent with the same offset.
+struct DueAt {
+    slot: Timestamp,
+    slot_at_ns: i64,
+    local_date: Date,
+    /// `local_date` as `YYYY-MM-DD`.
+    date_label: String,
+    /// The slot as [`MemoryPassCalendar::local_label`] shows it.
+    local_label: String,
+}
+
+impl DueSlots<'_> {
+    /// The agent's due slot, with its window-day as `YYYY-MM-DD` and the slot's local label:
+    /// the same values as [`MemoryPassCalendar::due_slot`], [`MemoryPassSlot::local_date_label`]
+    /// and [`MemoryPassCalendar::local_label`] of it.
+    pub fn of(&mut self, agent_id: &str) -> Option<(MemoryPassSlot, &str, &str)> {
+        let (now, today) = self.now?;
+        let calendar = self.calendar;
+        let slot_minutes = calendar.slot_minutes(agent_id);
+        let due = self.by_minutes.entry(slot_minutes).or_insert_with(|| {
+            let (slot, local_date) = calendar.due_at_minutes(now, today, slot_minutes)?;
+            Some(DueAt {
+                slot,
+                slot_at_ns: timestamp_ns(slot)?,
+                local_date,
+                date_label: date_label(local_date),
+                local_label: calendar.local_label(slot),
+            })
+        });
+        let due = due.as_ref()?;
+        let slot = MemoryPassSlot {
+            slot: due.slot,
+            slot_at_ns: due.slot_at_ns,
+            local_date: due.local_date,
+            pass_id: pass_id_of_day(agent_id, &due.date_label),
+        };
+        Some((slot, &due.date_label, &due.local_label))
     }
 }
 
@@ -635,6 +707,28 @@ mod tests {
             let opened = calendar.time_zone().to_datetime(due.slot - offset);
             let distance = opened.date().since(due.local_date).unwrap().get_days().abs();
             prop_assert!(distance <= 1, "window opened {opened} for day {}", due.local_date);
+        }
+
+        /// A plan's shared slots give every agent what its own computation gives: the same due
+        /// slot and pass id, its day's label and its local label, whichever agents came first
+        /// and share its offset.
+        #[test]
+        fn shared_due_slots_match_each_agents_own(
+            settings in settings_strategy(),
+            agents in prop::collection::vec(agent_strategy(), 1..40),
+            now_seconds in INSTANT_SECONDS,
+            now_subsec_ns in 0i64..1_000_000_000,
+        ) {
+            let calendar = MemoryPassCalendar::new(&settings).unwrap();
+            let now_at_ns = now_seconds * 1_000_000_000 + now_subsec_ns;
+            let mut shared = calendar.due_slots(now_at_ns);
+            for agent in agents.iter().chain(&agents) {
+                let own = calendar.due_slot_at_ns(now_at_ns, agent).unwrap();
+                let (slot, day, label) = shared.of(agent).unwrap();
+                prop_assert_eq!(day, own.local_date_label());
+                prop_assert_eq!(label, calendar.local_label(own.slot));
+                prop_assert_eq!(slot, own);
+            }
         }
 
         /// The slot of a window-day does not depend on when or how it is computed, and days follow
