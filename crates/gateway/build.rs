@@ -4,7 +4,7 @@
 //! descriptor set is kept for server reflection.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     println!("cargo:rerun-if-changed={}", root.display());
     let mut descriptors =
         protox::compile([root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")], [&root])?;

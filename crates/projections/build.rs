@@ -4,7 +4,7 @@
 //! tests can check the content marking of every string field of the stored schema.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let root = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     println!("cargo:rerun-if-changed={}", root.display());
     let files =
         [root.join("anima/v1/events.proto"), root.join("anima/v1/api.proto"), root.join("anima/v1/replay.proto")];
