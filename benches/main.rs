@@ -38,6 +38,11 @@ use std::time::Duration;
 
 use criterion::Criterion;
 
+/// The engine's allocator (`anima-wake` runs on mimalloc), so that the fold, the memory tick and
+/// the in-process gateway are measured as the engine runs them, not on the system allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Warm-up per benchmark.
 const WARM_UP: Duration = Duration::from_secs(1);
 /// Measurement per benchmark: eleven criterion benchmarks keep the whole run near two minutes.
