@@ -47,7 +47,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::stream::{self, BoxStream, StreamExt};
+use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use anima_projections::hashed::FingerprintCount;
@@ -307,11 +307,11 @@ impl EventLog for EmbeddedLog {
                 return None;
             }
             match state.next_chunk(bound).await {
-                Ok(chunk) => Some((chunk.into_iter().map(Ok).collect::<Vec<_>>(), Some(state))),
-                Err(e) => Some((vec![Err(e)], None)),
+                Ok(chunk) => Some((Ok(chunk), Some(state))),
+                Err(e) => Some((Err(e), None)),
             }
         });
-        Ok(records.flat_map(stream::iter).boxed())
+        Ok(records.flat_map(chunk_records).boxed())
     }
 
     async fn follow(
@@ -331,15 +331,15 @@ impl EventLog for EmbeddedLog {
             let bound = match last_seq.wait_for(|&last| last >= next_seq).await {
                 Ok(last) => *last,
                 Err(_) => {
-                    return Some((vec![Err(writer_stopped())], None));
+                    return Some((Err(writer_stopped()), None));
                 }
             };
             match state.next_chunk(bound).await {
-                Ok(chunk) => Some((chunk.into_iter().map(Ok).collect::<Vec<_>>(), Some((state, last_seq)))),
-                Err(e) => Some((vec![Err(e)], None)),
+                Ok(chunk) => Some((Ok(chunk), Some((state, last_seq)))),
+                Err(e) => Some((Err(e), None)),
             }
         });
-        Ok(records.flat_map(stream::iter).boxed())
+        Ok(records.flat_map(chunk_records).boxed())
     }
 
     async fn get(&self, seq: u64) -> LogResult<Option<StoredRecord>> {
@@ -359,6 +359,15 @@ impl EventLog for EmbeddedLog {
 
     async fn last_seq(&self) -> LogResult<u64> {
         Ok(self.current_last_seq())
+    }
+}
+
+/// A chunk's records one by one, moved out of the chunk as they are taken (not collected again
+/// into results first: a rebuild reads every record of the log through here), or its error.
+fn chunk_records(chunk: LogResult<Vec<StoredRecord>>) -> impl Stream<Item = LogResult<StoredRecord>> {
+    match chunk {
+        Ok(records) => stream::iter(records.into_iter().map(Ok)).left_stream(),
+        Err(e) => stream::iter(std::iter::once(Err(e))).right_stream(),
     }
 }
 
@@ -395,7 +404,9 @@ fn read_chunk(
     bound: u64,
     filter: Option<&SubjectFilter>,
 ) -> LogResult<(Vec<StoredRecord>, u64)> {
-    let mut records = Vec::new();
+    // Unfiltered, every record scanned is returned: sized once (a rebuild reads the whole log).
+    let scanned_max = usize::try_from(bound.saturating_sub(from_seq).saturating_add(1)).unwrap_or(usize::MAX);
+    let mut records = Vec::with_capacity(if filter.is_none() { READ_CHUNK_RECORDS_MAX.min(scanned_max) } else { 0 });
     let mut bytes = 0usize;
     let mut expected = from_seq;
     let range = tree.range(record_key(from_seq)..=record_key(bound));
