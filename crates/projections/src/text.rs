@@ -389,7 +389,32 @@ pub fn row_sizes(meta: &RowMeta, body: &RowBody) -> RowSizes {
 
 pub fn body_bytes(body: &RowBody) -> usize {
     let mut count = ByteCount::default();
-    put_body(&mut count, body);
+    if !body.text.trim().is_empty() {
+        count.0 += fenced_text_bytes(&body.text);
+    }
+    put_files(&mut count, &body.files);
+    count.0
+}
+
+/// The bytes [`put_fenced_text`] writes for `text`. The fold sizes every row it journals: text
+/// of printable ASCII, tabs and newlines (most messages) that fits under the clip is counted
+/// from its bytes and line starts, without walking it character by character; anything else is
+/// counted by rendering into a [`ByteCount`].
+fn fenced_text_bytes(text: &str) -> usize {
+    let bytes = text.as_bytes();
+    let plain = bytes.iter().all(|&b| matches!(b, b' '..=b'~' | b'\n' | b'\t'));
+    if plain && !bytes.is_empty() {
+        // Every byte is written as itself; each line that has a character gets "> ".
+        let line_starts = 1 + bytes[..bytes.len() - 1].iter().filter(|&&b| b == b'\n').count();
+        let used = bytes.len() + 2 * line_starts;
+        // What the clip counts only grows, so a total under it was never clipped.
+        if used <= MESSAGE_CLIP_BYTES {
+            let closing_newline = usize::from(bytes[bytes.len() - 1] != b'\n');
+            return used + closing_newline;
+        }
+    }
+    let mut count = ByteCount::default();
+    put_fenced_text(&mut count, text);
     count.0
 }
 
@@ -728,7 +753,53 @@ mod tests {
         assert_eq!(count.0, out.len());
     }
 
+    /// Plain text whose fenced size lands on either side of the clip, with short and long
+    /// lines and with and without a closing newline: counted as rendered.
+    #[test]
+    fn fenced_text_bytes_at_the_clip() {
+        for line_len in [1usize, 7, 80, MESSAGE_CLIP_BYTES] {
+            let mut text = String::new();
+            let mut line_starts = 0usize;
+            let mut checked = 0;
+            while text.len() + 2 * line_starts <= MESSAGE_CLIP_BYTES + 12 {
+                let at_line_start = text.is_empty() || text.ends_with('\n');
+                let column = text.len() - text.rfind('\n').map_or(0, |i| i + 1);
+                if !at_line_start && column == line_len {
+                    text.push('\n');
+                } else {
+                    line_starts += usize::from(at_line_start);
+                    text.push('a');
+                }
+                if text.len() + 2 * line_starts + 12 >= MESSAGE_CLIP_BYTES {
+                    let mut rendered = String::new();
+                    put_fenced_text(&mut rendered, &text);
+                    assert_eq!(fenced_text_bytes(&text), rendered.len(), "{} bytes, lines of {line_len}", text.len());
+                    checked += 1;
+                }
+            }
+            assert!(checked >= 10, "the sizes around the clip were reached");
+        }
+    }
+
     proptest::proptest! {
+        /// The counted size of fenced text is the rendered size: plain text short and long
+        /// (around the clip), with blank lines and trailing newlines, and text that is not plain.
+        #[test]
+        fn fenced_text_bytes_are_the_rendered_bytes(
+            lines in proptest::collection::vec("[ -~\t]{0,90}", 1..160),
+            trailing_newlines in 0usize..3,
+            odd in proptest::option::of("[\r\u{7f}\u{202e}é😀]"),
+        ) {
+            let mut text = lines.join("\n");
+            text.push_str(&"\n".repeat(trailing_newlines));
+            if let Some(odd) = odd {
+                text.insert_str(text.len() / 2, &odd);
+            }
+            let mut rendered = String::new();
+            put_fenced_text(&mut rendered, &text);
+            proptest::prop_assert_eq!(fenced_text_bytes(&text), rendered.len());
+        }
+
         /// The sizes the fold stores at ingest are those of the row rendered later.
         #[test]
         fn row_sizes_are_the_rendered_sizes(
