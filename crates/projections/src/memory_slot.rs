@@ -198,7 +198,14 @@ pub fn pass_id(agent_id: &str, window_day: Date) -> String {
 
 /// [`pass_id`] with the window-day already written as `YYYY-MM-DD`.
 fn pass_id_of_day(agent_id: &str, date_label: &str) -> String {
-    format!("memory-pass:{agent_id}:{date_label}")
+    // Written piecewise into one allocation of the right size: the plan makes one per agent.
+    const PREFIX: &str = "memory-pass:";
+    let mut id = String::with_capacity(PREFIX.len() + agent_id.len() + 1 + date_label.len());
+    id.push_str(PREFIX);
+    id.push_str(agent_id);
+    id.push(':');
+    id.push_str(date_label);
+    id
 }
 
 /// `YYYY-MM-DD` (years 0000..=9999, which covers every instant of the i64-nanosecond log clock).
