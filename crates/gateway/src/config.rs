@@ -189,7 +189,9 @@ pub struct RunnerSettings {
     /// How long a request waits for the fold's verdict before `UNAVAILABLE`.
     #[serde(default = "default_verdict_wait_ms")]
     pub verdict_wait_ms: u64,
-    /// sled's page cache for the data dir, MiB (sled's own default, 1 GiB, is never used).
+    /// Memory for sled's page cache of the data dir, MiB (sled's own default, 1 GiB, is never
+    /// used). sled is told less, since it counts pages by their size on disk
+    /// (`anima_engine::data_dir::open`).
     #[serde(default = "default_sled_cache_mib")]
     pub sled_cache_mib: u64,
     /// Bodies of recent journal rows kept in memory for rendering, MiB; older ones are read from
