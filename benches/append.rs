@@ -51,9 +51,12 @@ const PAYLOADS_DISTINCT: usize = 256;
 const TEAM: &str = "T0AB12CD3";
 
 /// Same layout constants as the embedded log's tree (`crates/engine/src/log/embedded.rs`).
-const PREFIX_RECORD: u8 = b'r';
+const PREFIX_GROUP: u8 = b'g';
 const PREFIX_MSG_ID: u8 = b'm';
 const RECORD_VERSION: u8 = 1;
+const GROUP_VERSION: u8 = 1;
+const GROUP_RECORDS_MAX: usize = 64;
+const GROUP_BYTES_MAX: usize = 16 * 1024;
 
 /// Makes batches of distinct records: subjects and payloads cycle, msg ids never repeat.
 struct RecordSource {
@@ -116,27 +119,35 @@ fn payload(index: usize, bytes: usize) -> Vec<u8> {
     envelope.encode_to_vec()
 }
 
-/// The raw baseline of the embedded log: the same two entries per record, one `apply_batch`,
-/// one `flush`.
+/// The raw baseline of the embedded log: the same entries (records in groups, one msg-id entry
+/// per record), one `apply_batch`, one `flush`.
 fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u64, timestamp_ns: i64) {
     let mut batch = sled::Batch::default();
+    let mut group: Vec<u8> = Vec::new();
+    let (mut group_first, mut group_records) = (0u64, 0usize);
     for record in records {
         *last_seq += 1;
         let seq = *last_seq;
-        let mut record_key = [0u8; 9];
-        record_key[0] = PREFIX_RECORD;
-        record_key[1..].copy_from_slice(&seq.to_be_bytes());
         let subject = record.subject.as_bytes();
         let msg_id = record.msg_id.as_bytes();
-        let mut value = Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
-        value.push(RECORD_VERSION);
-        value.extend_from_slice(&timestamp_ns.to_be_bytes());
-        value.extend_from_slice(&(subject.len() as u32).to_be_bytes());
-        value.extend_from_slice(subject);
-        value.extend_from_slice(&(msg_id.len() as u16).to_be_bytes());
-        value.extend_from_slice(msg_id);
-        value.extend_from_slice(&record.payload);
-        batch.insert(&record_key[..], value);
+        let len = 1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len();
+        if group_records == GROUP_RECORDS_MAX || (group_records > 0 && group.len() + 4 + len > GROUP_BYTES_MAX) {
+            batch.insert(&group_key(group_first)[..], std::mem::take(&mut group));
+            group_records = 0;
+        }
+        if group_records == 0 {
+            group_first = seq;
+            group.push(GROUP_VERSION);
+        }
+        group.extend_from_slice(&(len as u32).to_be_bytes());
+        group.push(RECORD_VERSION);
+        group.extend_from_slice(&timestamp_ns.to_be_bytes());
+        group.extend_from_slice(&(subject.len() as u32).to_be_bytes());
+        group.extend_from_slice(subject);
+        group.extend_from_slice(&(msg_id.len() as u16).to_be_bytes());
+        group.extend_from_slice(msg_id);
+        group.extend_from_slice(&record.payload);
+        group_records += 1;
 
         let mut msg_id_key = Vec::with_capacity(1 + msg_id.len());
         msg_id_key.push(PREFIX_MSG_ID);
@@ -146,8 +157,18 @@ fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u
         msg_id_value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
         batch.insert(msg_id_key, &msg_id_value[..]);
     }
+    if group_records > 0 {
+        batch.insert(&group_key(group_first)[..], group);
+    }
     tree.apply_batch(batch).expect("raw sled apply_batch");
     tree.flush().expect("raw sled flush");
+}
+
+fn group_key(first_seq: u64) -> [u8; 9] {
+    let mut key = [0u8; 9];
+    key[0] = PREFIX_GROUP;
+    key[1..].copy_from_slice(&first_seq.to_be_bytes());
+    key
 }
 
 fn assert_all_appended(outcomes: &[AppendOutcome], expected: usize) {

@@ -6,7 +6,8 @@
 //!
 //! | key | value | why |
 //! |---|---|---|
-//! | `r` + seq (u64 BE) | record: timestamp, subject, msg id, payload | the log, in seq order |
+//! | `g` + first seq (u64 BE) | a group of records with consecutive seqs (layout `3`) | the log, in seq order |
+//! | `r` + seq (u64 BE) | one record: timestamp, subject, msg id, payload (layouts `1`, `2`) | the log, in seq order |
 //! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
 //! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor |
 //!
@@ -19,6 +20,15 @@
 //! them removed as they expire, oldest first, so they are gone one window after the upgrade.
 //! An older build opened on the tree again keeps working: its pruning does not see the msg ids
 //! this build appended, so at most one window of their entries stays until this build returns.
+//!
+//! Groups: a tree of layout `3` (every tree this build creates) stores the records of one group
+//! commit as few entries: up to [`GROUP_RECORDS_MAX`] records or [`GROUP_BYTES_MAX`] bytes each
+//! (a larger record alone). The reason is sled's memory, not its disk: sled 0.34 splits a leaf
+//! above 16 entries and keeps bookkeeping in memory for every page it has written, cached or
+//! not, so a log of one small entry per record grew the engine's memory with its length (at
+//! about 8 records per leaf, appended in order). A read of one seq finds the entry holding it
+//! (the last group key at or before it) and decodes that group. Trees of layouts `1` and `2`
+//! keep one `r` entry per record, read and written as before.
 //!
 //! Subjects: a new tree records its subject prefix and the newest subject encoding (layout
 //! `2`). A tree of layout `1` was created before either was recorded: it was written with
@@ -60,7 +70,10 @@ use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, Lo
 /// Name of the sled tree holding the log; the same `Db` may hold other trees (checkpoints).
 const TREE_NAME: &str = "log";
 
+/// One record per entry (layouts 1 and 2).
 const PREFIX_RECORD: u8 = b'r';
+/// Groups of records (layout 3).
+const PREFIX_GROUP: u8 = b'g';
 const PREFIX_MSG_ID: u8 = b'm';
 /// The expiry index of builds before the prune cursor (see the module docs): only removed.
 const PREFIX_LEGACY_EXPIRY: u8 = b't';
@@ -74,11 +87,21 @@ const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
 const META_PRUNE_FROM: &[u8] = b"prune_from";
 /// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
-/// Layout version of the trees this build creates: layout 1 plus the subject prefix and
-/// encoding in the metadata. A tree written by an unknown layout is refused, never guessed at.
-const FORMAT_VERSION: &[u8] = b"2";
-/// Version byte leading every stored record value.
+/// Layout 1 plus the subject prefix and encoding in the metadata; one entry per record.
+const FORMAT_RECORDED_SUBJECTS: &[u8] = b"2";
+/// Layout version of the trees this build creates: layout 2 with the records grouped (`g`
+/// entries). A tree written by an unknown layout is refused, never guessed at; builds before
+/// this one refuse a layout `3` tree, so none of them writes `r` entries into it.
+const FORMAT_VERSION: &[u8] = b"3";
+/// Version byte leading every stored record value (a record's encoding inside a group too).
 const RECORD_VERSION: u8 = 1;
+/// Version byte leading every group value.
+const GROUP_VERSION: u8 = 1;
+/// Records one group entry holds at most.
+const GROUP_RECORDS_MAX: usize = 64;
+/// Encoded bytes one group entry takes before it is closed (a record larger than this is a group
+/// of its own). A read of one seq decodes its whole group, so this bounds what a random read costs.
+const GROUP_BYTES_MAX: usize = 16 * 1024;
 
 /// Msg-id entries the writer counts per step of its opening scan (see [`StoredIds`]), taken only
 /// while no append waits: small, so an append that arrives meanwhile waits a fraction of a
@@ -134,6 +157,7 @@ impl Default for EmbeddedConfig {
 /// directly, in bounded chunks on the blocking pool.
 pub struct EmbeddedLog {
     tree: sled::Tree,
+    layout: RecordLayout,
     identity: String,
     subjects: Subjects,
     group_commit_records_max: usize,
@@ -175,8 +199,8 @@ impl EmbeddedLog {
             ));
         }
         let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
-        let (stream_id, subjects) = open_metadata(&tree, &config.subject_prefix)?;
-        let (last_seq, last_timestamp_ns) = recover_tail(&tree)?;
+        let (stream_id, subjects, layout) = open_metadata(&tree, &config.subject_prefix)?;
+        let (last_seq, last_timestamp_ns) = recover_tail(&tree, layout)?;
         let pruning = Pruning::recover(&tree, last_seq)?;
 
         let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
@@ -184,6 +208,7 @@ impl EmbeddedLog {
         let writer = LogWriter {
             stored_ids: StoredIds::default(),
             tree: tree.clone(),
+            layout,
             requests: requests_rx,
             last_seq_tx,
             last_seq,
@@ -202,12 +227,14 @@ impl EmbeddedLog {
             stream = %stream_id,
             subjects = %subjects.all(),
             subject_encoding = subjects.encoding().label(),
+            layout = ?layout,
             last_seq,
             "embedded log opened"
         );
 
         Ok(EmbeddedLog {
             tree,
+            layout,
             identity: format!("sled:{stream_id}"),
             subjects,
             group_commit_records_max: config.group_commit_records_max,
@@ -300,7 +327,7 @@ impl EventLog for EmbeddedLog {
             filter.validate()?;
         }
         let bound = to_seq.min(self.current_last_seq());
-        let state = ReadState { tree: self.tree.clone(), next_seq: from_seq.max(1), filter };
+        let state = ReadState { tree: self.tree.clone(), layout: self.layout, next_seq: from_seq.max(1), filter };
         let records = stream::unfold(Some(state), move |state| async move {
             let mut state = state?;
             if state.next_seq > bound {
@@ -322,7 +349,7 @@ impl EventLog for EmbeddedLog {
         if let Some(filter) = &filter {
             filter.validate()?;
         }
-        let state = ReadState { tree: self.tree.clone(), next_seq: from_seq.max(1), filter };
+        let state = ReadState { tree: self.tree.clone(), layout: self.layout, next_seq: from_seq.max(1), filter };
         let last_seq = self.last_seq.clone();
         let records = stream::unfold(Some((state, last_seq)), |state| async move {
             let (mut state, mut last_seq) = state?;
@@ -347,9 +374,15 @@ impl EventLog for EmbeddedLog {
             return Ok(None);
         }
         let tree = self.tree.clone();
+        let layout = self.layout;
         tokio::task::spawn_blocking(move || -> LogResult<Option<StoredRecord>> {
-            match tree.get(record_key(seq)).map_err(store_error)? {
-                Some(value) => Ok(Some(decode_record(seq, &value)?)),
+            let mut found = None;
+            visit_records(&tree, layout, seq, seq, |seq, parts, value| {
+                found = Some(parts.into_record(seq, value));
+                Ok(false)
+            })?;
+            match found {
+                Some(record) => Ok(Some(record)),
                 None => Err(LogError::Store(format!("record {seq} is missing below the last flushed seq"))),
             }
         })
@@ -375,6 +408,7 @@ fn chunk_records(chunk: LogResult<Vec<StoredRecord>>) -> impl Stream<Item = LogR
 /// range on the blocking pool, so nothing sled-owned lives across an await.
 struct ReadState {
     tree: sled::Tree,
+    layout: RecordLayout,
     next_seq: u64,
     filter: Option<SubjectFilter>,
 }
@@ -384,10 +418,11 @@ impl ReadState {
     /// may be empty when nothing scanned matched the filter.
     async fn next_chunk(&mut self, bound: u64) -> LogResult<Vec<StoredRecord>> {
         let tree = self.tree.clone();
+        let layout = self.layout;
         let filter = self.filter.clone();
         let from_seq = self.next_seq;
         let (records, next_seq) =
-            tokio::task::spawn_blocking(move || read_chunk(&tree, from_seq, bound, filter.as_ref()))
+            tokio::task::spawn_blocking(move || read_chunk(&tree, layout, from_seq, bound, filter.as_ref()))
                 .await
                 .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
         self.next_seq = next_seq;
@@ -400,6 +435,7 @@ impl ReadState {
 /// Seqs are dense, so a gap below `bound` means the tree is damaged: fail closed.
 fn read_chunk(
     tree: &sled::Tree,
+    layout: RecordLayout,
     from_seq: u64,
     bound: u64,
     filter: Option<&SubjectFilter>,
@@ -408,28 +444,69 @@ fn read_chunk(
     let scanned_max = usize::try_from(bound.saturating_sub(from_seq).saturating_add(1)).unwrap_or(usize::MAX);
     let mut records = Vec::with_capacity(if filter.is_none() { READ_CHUNK_RECORDS_MAX.min(scanned_max) } else { 0 });
     let mut bytes = 0usize;
-    let mut expected = from_seq;
-    let range = tree.range(record_key(from_seq)..=record_key(bound));
-    for entry in range.take(READ_CHUNK_RECORDS_MAX) {
-        let (key, value) = entry.map_err(store_error)?;
-        let seq = record_key_seq(&key)?;
-        if seq != expected {
-            return Err(LogError::Store(format!("record {expected} is missing (next stored is {seq})")));
+    let mut scanned = 0usize;
+    let next_seq = visit_records(tree, layout, from_seq, bound, |seq, parts, value| {
+        if scanned == READ_CHUNK_RECORDS_MAX || bytes >= READ_CHUNK_BYTES_MAX {
+            return Ok(false);
         }
-        expected = seq + 1;
-        let parts = decode_record_parts(seq, &value)?;
+        scanned += 1;
         if filter.is_none_or(|filter| filter.matches(parts.subject)) {
             bytes += parts.payload.len();
-            records.push(parts.into_record(seq, &value));
-            if bytes >= READ_CHUNK_BYTES_MAX {
-                break;
-            }
+            records.push(parts.into_record(seq, value));
         }
-    }
-    if expected == from_seq && from_seq <= bound {
+        Ok(true)
+    })?;
+    if next_seq == from_seq && from_seq <= bound {
         return Err(LogError::Store(format!("record {from_seq} is missing below the last flushed seq {bound}")));
     }
-    Ok((records, expected))
+    Ok((records, next_seq))
+}
+
+/// Hands the stored records `from_seq..=bound` to `visit` in seq order, each with the sled value
+/// it was decoded from, until `visit` answers `false` (that record not taken). Returns the seq
+/// after the last record taken. Seqs are dense, so a gap below `bound` means the tree is
+/// damaged: fail closed.
+fn visit_records(
+    tree: &sled::Tree,
+    layout: RecordLayout,
+    from_seq: u64,
+    bound: u64,
+    mut visit: impl FnMut(u64, RecordParts<'_>, &sled::IVec) -> LogResult<bool>,
+) -> LogResult<u64> {
+    let mut expected = from_seq;
+    if from_seq > bound {
+        return Ok(expected);
+    }
+    let first_entry = match layout {
+        RecordLayout::PerRecord => from_seq,
+        // The group holding `from_seq` starts at the last group key at or before it.
+        RecordLayout::Grouped => {
+            match tree.range(layout.key(0)..=layout.key(from_seq)).next_back().transpose().map_err(store_error)? {
+                Some((key, _)) => layout.key_seq(&key)?,
+                None => from_seq,
+            }
+        }
+    };
+    for entry in tree.range(layout.key(first_entry)..=layout.key(bound)) {
+        let (key, value) = entry.map_err(store_error)?;
+        for record in EntryRecords::new(layout, layout.key_seq(&key)?, &value)? {
+            let (seq, parts) = record?;
+            if seq < from_seq && expected == from_seq {
+                continue;
+            }
+            if seq > bound {
+                return Ok(expected);
+            }
+            if seq != expected {
+                return Err(LogError::Store(format!("record {expected} is missing (next stored is {seq})")));
+            }
+            if !visit(seq, parts, &value)? {
+                return Ok(expected);
+            }
+            expected = seq + 1;
+        }
+    }
+    Ok(expected)
 }
 
 /// The msg ids the tree holds an entry for, as counted fingerprints, so that appending a msg id
@@ -515,6 +592,7 @@ impl StoredIds {
 struct LogWriter {
     stored_ids: StoredIds,
     tree: sled::Tree,
+    layout: RecordLayout,
     requests: mpsc::Receiver<AppendRequest>,
     last_seq_tx: watch::Sender<u64>,
     /// Last flushed seq and its timestamp.
@@ -690,6 +768,7 @@ impl LogWriter {
         let now_ns = self.clock.now_ns();
         let mut records_total = 0usize;
         let mut ids_stored = Vec::new();
+        let mut entries = RecordEntries::new(self.layout);
 
         for request in group {
             let mut request_outcomes = Vec::with_capacity(request.records.len());
@@ -719,13 +798,14 @@ impl LogWriter {
                 }
                 last_seq += 1;
                 last_timestamp_ns = timestamp_ns;
-                batch.insert(&record_key(last_seq)[..], encode_record(timestamp_ns, record));
+                entries.push(&mut batch, last_seq, timestamp_ns, record);
                 batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
                 stored_here.insert(record.msg_id.as_str(), last_seq);
                 request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
             }
             outcomes.push(request_outcomes);
         }
+        entries.close(&mut batch);
 
         let (ids_removed, pruning) = self.plan_pruning(
             &mut batch,
@@ -751,26 +831,25 @@ impl LogWriter {
         let mut removed = Vec::new();
         let mut pruning = self.pruning;
         if pruning.from_seq <= self.last_seq {
-            let records = self.tree.range(record_key(pruning.from_seq)..=record_key(self.last_seq));
-            for entry in records.take(limit) {
-                let (key, value) = entry.map_err(store_error)?;
-                let seq = record_key_seq(&key)?;
-                let parts = decode_record_parts(seq, &value)?;
-                if parts.timestamp_ns >= window_start_ns {
-                    break;
-                }
-                pruning.from_seq = seq + 1;
-                if stored_here.contains_key(parts.msg_id) {
-                    continue;
-                }
-                let msg_id_key = msg_id_key(parts.msg_id);
-                if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
-                    if decode_msg_id_entry(&entry)?.0 == seq {
-                        batch.remove(msg_id_key.clone());
-                        removed.push(msg_id_key);
+            let mut considered = 0usize;
+            pruning.from_seq =
+                visit_records(&self.tree, self.layout, pruning.from_seq, self.last_seq, |seq, parts, _| {
+                    if considered == limit || parts.timestamp_ns >= window_start_ns {
+                        return Ok(false);
                     }
-                }
-            }
+                    considered += 1;
+                    if stored_here.contains_key(parts.msg_id) {
+                        return Ok(true);
+                    }
+                    let msg_id_key = msg_id_key(parts.msg_id);
+                    if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
+                        if decode_msg_id_entry(&entry)?.0 == seq {
+                            batch.remove(msg_id_key.clone());
+                            removed.push(msg_id_key);
+                        }
+                    }
+                    Ok(true)
+                })?;
             if pruning.from_seq != self.pruning.from_seq {
                 batch.insert(meta_key(META_PRUNE_FROM), &pruning.from_seq.to_be_bytes()[..]);
             }
@@ -796,10 +875,10 @@ impl LogWriter {
 
 /// Reads or creates the stream identity and the subjects, and checks the layout version and
 /// that the tree holds the configured prefix.
-fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String, Subjects)> {
+fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String, Subjects, RecordLayout)> {
     let id_key = meta_key(META_STREAM_ID);
-    let subjects = match recorded_subjects(tree)? {
-        Some(subjects) => subjects,
+    let (subjects, layout) = match recorded_subjects(tree)? {
+        Some(recorded) => recorded,
         None => {
             let subjects = Subjects::new(prefix.clone(), SubjectEncoding::NEWEST);
             let mut batch = sled::Batch::default();
@@ -809,7 +888,7 @@ fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String
             batch.insert(meta_key(META_SUBJECT_ENCODING), subjects.encoding().label().as_bytes());
             tree.apply_batch(batch).map_err(store_error)?;
             tree.flush().map_err(store_error)?;
-            subjects
+            (subjects, RecordLayout::Grouped)
         }
     };
     if subjects.prefix() != prefix {
@@ -826,26 +905,29 @@ fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String
         .ok_or_else(|| LogError::Store("embedded log has no stream identity".into()))?;
     let stream_id = String::from_utf8(stream_id.to_vec())
         .map_err(|_| LogError::Store("embedded log stream identity is not UTF-8".into()))?;
-    Ok((stream_id, subjects))
+    Ok((stream_id, subjects, layout))
 }
 
-/// The subjects a tree holds; `None` for a new tree. Layout 1 predates the record: `anima.v1`
-/// and the first encoding.
-fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<Subjects>> {
+/// The subjects a tree holds and how it stores its records; `None` for a new tree. Layout 1
+/// predates the subject record: `anima.v1` and the first encoding.
+fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<(Subjects, RecordLayout)>> {
     let Some(format) = tree.get(meta_key(META_FORMAT)).map_err(store_error)? else {
         return Ok(None);
     };
-    if format.as_ref() == FORMAT_UNRECORDED_SUBJECTS {
-        return Ok(Some(Subjects::unrecorded()));
-    }
-    if format.as_ref() != FORMAT_VERSION {
-        return Err(LogError::Store(format!(
-            "embedded log tree has layout {:?}, this build reads {:?} and {:?}",
-            String::from_utf8_lossy(&format),
-            String::from_utf8_lossy(FORMAT_UNRECORDED_SUBJECTS),
-            String::from_utf8_lossy(FORMAT_VERSION)
-        )));
-    }
+    let layout = match format.as_ref() {
+        FORMAT_UNRECORDED_SUBJECTS => return Ok(Some((Subjects::unrecorded(), RecordLayout::PerRecord))),
+        FORMAT_RECORDED_SUBJECTS => RecordLayout::PerRecord,
+        FORMAT_VERSION => RecordLayout::Grouped,
+        _ => {
+            return Err(LogError::Store(format!(
+                "embedded log tree has layout {}, this build reads {}, {} and {}: a newer anima-wake created it",
+                crate::validate::echo(&String::from_utf8_lossy(&format)),
+                String::from_utf8_lossy(FORMAT_UNRECORDED_SUBJECTS),
+                String::from_utf8_lossy(FORMAT_RECORDED_SUBJECTS),
+                String::from_utf8_lossy(FORMAT_VERSION)
+            )))
+        }
+    };
     let text = |name: &[u8]| -> LogResult<String> {
         let value = tree
             .get(meta_key(name))
@@ -864,7 +946,7 @@ fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<Subjects>> {
             crate::validate::echo(&label)
         ))
     })?;
-    Ok(Some(Subjects::new(prefix, encoding)))
+    Ok(Some((Subjects::new(prefix, encoding), layout)))
 }
 
 /// The subject prefix the embedded log in `db` holds, without creating anything: `None` when
@@ -874,35 +956,153 @@ pub fn recorded_subject_prefix(db: &sled::Db) -> LogResult<Option<SubjectPrefix>
         return Ok(None);
     }
     let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
-    Ok(recorded_subjects(&tree)?.map(|subjects| subjects.prefix().clone()))
+    Ok(recorded_subjects(&tree)?.map(|(subjects, _)| subjects.prefix().clone()))
 }
 
 /// The last stored seq and its timestamp (0, 0 when empty).
-fn recover_tail(tree: &sled::Tree) -> LogResult<(u64, i64)> {
-    let last = tree.range(record_key(0)..=record_key(u64::MAX)).next_back().transpose().map_err(store_error)?;
-    match last {
-        None => Ok((0, 0)),
-        Some((key, value)) => {
-            let seq = record_key_seq(&key)?;
-            let record = decode_record(seq, &value)?;
-            Ok((seq, record.timestamp_ns))
+fn recover_tail(tree: &sled::Tree, layout: RecordLayout) -> LogResult<(u64, i64)> {
+    let last = tree.range(layout.key(0)..=layout.key(u64::MAX)).next_back().transpose().map_err(store_error)?;
+    let Some((key, value)) = last else {
+        return Ok((0, 0));
+    };
+    let mut tail = None;
+    for record in EntryRecords::new(layout, layout.key_seq(&key)?, &value)? {
+        let (seq, parts) = record?;
+        tail = Some((seq, parts.timestamp_ns));
+    }
+    tail.ok_or_else(|| LogError::Store("the last entry of the embedded log holds no record".into()))
+}
+
+/// How a tree stores its records (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RecordLayout {
+    /// One `r` entry per record, keyed by its seq (layouts 1 and 2).
+    PerRecord,
+    /// `g` entries of consecutive records, keyed by the first one's seq (layout 3).
+    Grouped,
+}
+
+impl RecordLayout {
+    fn prefix(self) -> u8 {
+        match self {
+            RecordLayout::PerRecord => PREFIX_RECORD,
+            RecordLayout::Grouped => PREFIX_GROUP,
+        }
+    }
+
+    /// The key of the entry whose first (or only) record is at `seq`.
+    fn key(self, seq: u64) -> [u8; 9] {
+        let mut key = [0u8; 9];
+        key[0] = self.prefix();
+        key[1..].copy_from_slice(&seq.to_be_bytes());
+        key
+    }
+
+    /// The seq of an entry's first (or only) record.
+    fn key_seq(self, key: &[u8]) -> LogResult<u64> {
+        match key {
+            [prefix, seq @ ..] if *prefix == self.prefix() => {
+                seq.try_into().map(u64::from_be_bytes).map_err(|_| LogError::Store("malformed record key".into()))
+            }
+            _ => Err(LogError::Store("malformed record key".into())),
         }
     }
 }
 
-fn record_key(seq: u64) -> [u8; 9] {
-    let mut key = [0u8; 9];
-    key[0] = PREFIX_RECORD;
-    key[1..].copy_from_slice(&seq.to_be_bytes());
-    key
+/// The record entries of one group commit, built in the tree's layout.
+struct RecordEntries {
+    layout: RecordLayout,
+    /// The open group: its first seq, its value so far and how many records it holds.
+    first_seq: u64,
+    value: Vec<u8>,
+    records: usize,
 }
 
-fn record_key_seq(key: &[u8]) -> LogResult<u64> {
-    match key {
-        [PREFIX_RECORD, seq @ ..] => {
-            seq.try_into().map(u64::from_be_bytes).map_err(|_| LogError::Store("malformed record key".into()))
+impl RecordEntries {
+    fn new(layout: RecordLayout) -> Self {
+        RecordEntries { layout, first_seq: 0, value: Vec::new(), records: 0 }
+    }
+
+    /// Adds the record stored at `seq` (seqs given in order, without gaps).
+    fn push(&mut self, batch: &mut sled::Batch, seq: u64, timestamp_ns: i64, record: &AppendRecord) {
+        if self.layout == RecordLayout::PerRecord {
+            let mut value = Vec::with_capacity(encoded_record_len(record));
+            encode_record_into(&mut value, timestamp_ns, record);
+            batch.insert(&self.layout.key(seq)[..], value);
+            return;
         }
-        _ => Err(LogError::Store("malformed record key".into())),
+        let len = encoded_record_len(record);
+        if self.records == GROUP_RECORDS_MAX || (self.records > 0 && self.value.len() + 4 + len > GROUP_BYTES_MAX) {
+            self.close(batch);
+        }
+        if self.records == 0 {
+            self.first_seq = seq;
+            self.value.reserve(1 + 4 + len);
+            self.value.push(GROUP_VERSION);
+        }
+        // validate_record bounds a payload (PAYLOAD_BYTES_MAX) far below u32.
+        self.value.extend_from_slice(&(len as u32).to_be_bytes());
+        encode_record_into(&mut self.value, timestamp_ns, record);
+        self.records += 1;
+    }
+
+    /// Writes the open group into `batch`.
+    fn close(&mut self, batch: &mut sled::Batch) {
+        if self.records > 0 {
+            batch.insert(&self.layout.key(self.first_seq)[..], std::mem::take(&mut self.value));
+            self.records = 0;
+        }
+    }
+}
+
+/// The records of one stored entry in seq order, borrowed from its value.
+struct EntryRecords<'a> {
+    layout: RecordLayout,
+    rest: &'a [u8],
+    next_seq: u64,
+}
+
+impl<'a> EntryRecords<'a> {
+    fn new(layout: RecordLayout, first_seq: u64, value: &'a [u8]) -> LogResult<Self> {
+        let rest = match layout {
+            RecordLayout::PerRecord => value,
+            RecordLayout::Grouped => match value.split_first() {
+                Some((&GROUP_VERSION, rest)) if !rest.is_empty() => rest,
+                _ => return Err(LogError::Store(format!("the record group at seq {first_seq} is malformed"))),
+            },
+        };
+        Ok(EntryRecords { layout, rest, next_seq: first_seq })
+    }
+}
+
+impl<'a> Iterator for EntryRecords<'a> {
+    type Item = LogResult<(u64, RecordParts<'a>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.rest.is_empty() {
+            return None;
+        }
+        let seq = self.next_seq;
+        let record = match self.layout {
+            RecordLayout::PerRecord => std::mem::take(&mut self.rest),
+            RecordLayout::Grouped => {
+                let len = self.rest.get(..4).and_then(|len| len.try_into().ok()).map(u32::from_be_bytes);
+                match len.and_then(|len| self.rest.get(4..4 + len as usize)) {
+                    Some(record) => {
+                        self.rest = &self.rest[4 + record.len()..];
+                        record
+                    }
+                    None => {
+                        self.rest = &[];
+                        return Some(Err(LogError::Store(format!(
+                            "record {seq} is malformed: its group is cut short"
+                        ))));
+                    }
+                }
+            }
+        };
+        self.next_seq += 1;
+        Some(decode_record_parts(seq, record).map(|parts| (seq, parts)))
     }
 }
 
@@ -957,10 +1157,9 @@ fn meta_key(name: &[u8]) -> Vec<u8> {
 /// Record value: version, timestamp (i64 BE), subject length (u32 BE), subject, msg id length
 /// (u16 BE), msg id, payload. The msg id is kept so a damaged index can be rebuilt and so
 /// replays can show it.
-fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
+fn encode_record_into(value: &mut Vec<u8>, timestamp_ns: i64, record: &AppendRecord) {
     let subject = record.subject.as_bytes();
     let msg_id = record.msg_id.as_bytes();
-    let mut value = Vec::with_capacity(1 + 8 + 4 + subject.len() + 2 + msg_id.len() + record.payload.len());
     value.push(RECORD_VERSION);
     value.extend_from_slice(&timestamp_ns.to_be_bytes());
     // validate_record bounds subjects (SUBJECT_BYTES_MAX) and msg ids (256 bytes) far below
@@ -970,12 +1169,11 @@ fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
     value.extend_from_slice(&(msg_id.len() as u16).to_be_bytes());
     value.extend_from_slice(msg_id);
     value.extend_from_slice(&record.payload);
-    value
 }
 
-fn decode_record(seq: u64, value: &sled::IVec) -> LogResult<StoredRecord> {
-    let parts = decode_record_parts(seq, value)?;
-    Ok(parts.into_record(seq, value))
+/// The length of a record's encoding.
+fn encoded_record_len(record: &AppendRecord) -> usize {
+    1 + 8 + 4 + record.subject.len() + 2 + record.msg_id.len() + record.payload.len()
 }
 
 /// A stored record's fields, borrowed from the sled value, so a filtered read copies only the
@@ -989,16 +1187,17 @@ struct RecordParts<'a> {
 
 impl RecordParts<'_> {
     /// The record, its payload sharing `value` (the sled value these parts were decoded from,
-    /// whose tail the payload is) instead of a copy: every event the fold applies is read back
+    /// which holds the payload) instead of a copy: every event the fold applies is read back
     /// through here, and a rebuild reads the whole log.
     fn into_record(self, seq: u64, value: &sled::IVec) -> StoredRecord {
-        debug_assert!(value.ends_with(self.payload), "the payload is the tail of its stored value");
-        let payload_from = value.len() - self.payload.len();
+        let payload_from = (self.payload.as_ptr() as usize).wrapping_sub(value.as_ptr() as usize);
+        let payload_to = payload_from.wrapping_add(self.payload.len());
+        assert!(payload_from <= payload_to && payload_to <= value.len(), "the payload lies inside its stored value");
         StoredRecord {
             seq,
             subject: self.subject.to_owned(),
             timestamp_ns: self.timestamp_ns,
-            payload: Bytes::from_owner(value.clone()).slice(payload_from..),
+            payload: Bytes::from_owner(value.clone()).slice(payload_from..payload_to),
         }
     }
 }
@@ -1050,6 +1249,155 @@ mod tests {
 
     fn record(subject: &str, msg_id: &str, payload: &'static [u8]) -> AppendRecord {
         AppendRecord { subject: subject.into(), msg_id: msg_id.into(), payload: Bytes::from_static(payload) }
+    }
+
+    /// A record's value as trees of layouts 1 and 2 store it, one entry per record.
+    fn encode_record(timestamp_ns: i64, record: &AppendRecord) -> Vec<u8> {
+        let mut value = Vec::new();
+        encode_record_into(&mut value, timestamp_ns, record);
+        value
+    }
+
+    fn record_key(seq: u64) -> [u8; 9] {
+        RecordLayout::PerRecord.key(seq)
+    }
+
+    fn decode_record(seq: u64, value: &sled::IVec) -> LogResult<StoredRecord> {
+        let (seq, parts) = EntryRecords::new(RecordLayout::PerRecord, seq, value)?.next().expect("one record")?;
+        Ok(parts.into_record(seq, value))
+    }
+
+    fn entries_with_prefix(tree: &sled::Tree, prefix: u8) -> usize {
+        tree.scan_prefix([prefix]).count()
+    }
+
+    async fn read_seqs(log: &EmbeddedLog, from: u64, to: u64, filter: Option<SubjectFilter>) -> Vec<u64> {
+        log.read(from, to, filter).await.expect("read").map(|r| r.expect("record").seq).collect().await
+    }
+
+    /// One group commit of many records, small and large, is stored as few entries, and every
+    /// record reads back whole from any seq: one at a time, in ranges starting and ending inside
+    /// a group, filtered, and after a reopen, which goes on at the next seq.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_are_stored_in_groups_and_read_back_from_any_seq() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        static LARGE: [u8; GROUP_BYTES_MAX + 100] = [7u8; GROUP_BYTES_MAX + 100];
+        let records: Vec<AppendRecord> = (0..300)
+            .map(|n| {
+                let subject = if n % 3 == 0 { "anima.v1.agent.ada" } else { "anima.v1.config" };
+                let payload: &'static [u8] = match n {
+                    100 | 101 => &LARGE,
+                    n if n % 2 == 0 => b"even",
+                    _ => b"odd payload",
+                };
+                record(subject, &format!("id-{n}"), payload)
+            })
+            .collect();
+        let outcomes = log.append_batch(records.clone()).await.expect("append");
+        assert_eq!(outcomes.last(), Some(&AppendOutcome::Appended { seq: 300 }));
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        let groups = entries_with_prefix(&tree, PREFIX_GROUP);
+        // 64 records a group at most, and the two large ones each alone: at least 7 groups.
+        assert!((7..=10).contains(&groups), "{groups} group entries for 300 records");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_RECORD), 0, "no entry per record");
+
+        for (n, original) in records.iter().enumerate() {
+            let seq = n as u64 + 1;
+            let stored = log.get(seq).await.expect("get").expect("stored");
+            assert_eq!((stored.seq, &stored.subject, &stored.payload), (seq, &original.subject, &original.payload));
+        }
+        assert_eq!(read_seqs(&log, 1, u64::MAX, None).await, (1..=300).collect::<Vec<_>>());
+        assert_eq!(read_seqs(&log, 63, 130, None).await, (63..=130).collect::<Vec<_>>());
+        let agent: Vec<u64> = (1..=300).filter(|seq| (seq - 1) % 3 == 0 && *seq >= 70).collect();
+        assert_eq!(read_seqs(&log, 70, u64::MAX, Some(SubjectFilter("anima.v1.agent.ada".into()))).await, agent);
+        let timestamps: Vec<i64> =
+            log.read(1, u64::MAX, None).await.expect("read").map(|r| r.expect("record").timestamp_ns).collect().await;
+        assert!(timestamps.windows(2).all(|pair| pair[0] < pair[1]), "strictly monotonic");
+        assert_eq!(log.get(301).await.expect("get"), None);
+        drop(log);
+
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+        assert_eq!(log.last_seq().await.expect("last"), 300);
+        let repeat = log.append(records[299].clone()).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 300 });
+        let next = log.append(record("anima.v1.config", "after-reopen", b"x")).await.expect("append");
+        assert_eq!(next, AppendOutcome::Appended { seq: 301 });
+        let last = log.get(301).await.expect("get").expect("stored");
+        assert!(last.timestamp_ns > timestamps[299], "time goes on from the recovered tail");
+        assert_eq!(read_seqs(&log, 299, u64::MAX, None).await, [299, 300, 301]);
+        drop(log);
+    }
+
+    /// The pruning walks the records inside a group: when the window's start falls between two
+    /// records of one group, the older ones' msg ids go and the newer ones' stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pruning_stops_inside_a_group_and_goes_on_from_there() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let start_ns = 1_000 * SECOND_NS;
+        let clock = Arc::new(ManualClock::new(start_ns));
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        let records = (0..10).map(|n| record("anima.v1.config", &format!("g-{n}"), b"x")).collect();
+        log.append_batch(records).await.expect("append");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_GROUP), 1, "one commit, one group");
+        // Seqs 1..=10 are stamped start, start + 1 ns, ...: five of them leave the window.
+        clock.set(start_ns + 60 * SECOND_NS + 5);
+        log.append(record("anima.v1.config", "later", b"x")).await.expect("append");
+        assert_eq!(prune_from(&tree), 6);
+        let expected: Vec<String> =
+            ["g-5", "g-6", "g-7", "g-8", "g-9", "later"].iter().map(|id| id.to_string()).collect();
+        assert_eq!(stored_msg_ids(&tree), expected);
+        let again = log.append(record("anima.v1.config", "g-2", b"x")).await.expect("append");
+        assert_eq!(again, AppendOutcome::Appended { seq: 12 }, "an expired id is stored again");
+        let repeat = log.append(record("anima.v1.config", "g-7", b"x")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 8 });
+        clock.set(start_ns + 121 * SECOND_NS);
+        log.append(record("anima.v1.config", "last", b"x")).await.expect("append");
+        assert_eq!(prune_from(&tree), 13, "the rest of the group, then the later records");
+        assert_eq!(stored_msg_ids(&tree), ["last"]);
+        drop(log);
+    }
+
+    /// A tree of layout 2 (one entry per record) keeps its layout: read, appended to and
+    /// reopened as before. A layout this build does not know is refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tree_of_one_entry_per_record_keeps_its_layout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        tree.insert(meta_key(META_FORMAT), FORMAT_RECORDED_SUBJECTS).expect("insert");
+        tree.insert(meta_key(META_STREAM_ID), &b"layout-2-stream"[..]).expect("insert");
+        tree.insert(meta_key(META_SUBJECT_PREFIX), &b"anima.v1"[..]).expect("insert");
+        tree.insert(meta_key(META_SUBJECT_ENCODING), SubjectEncoding::NEWEST.label().as_bytes()).expect("insert");
+        for seq in 1..=3u64 {
+            let id = format!("old-{seq}");
+            tree.insert(record_key(seq), encode_record(seq as i64, &record("anima.v1.config", &id, b"old")))
+                .expect("insert");
+            tree.insert(msg_id_key(&id), &encode_msg_id_entry(seq, seq as i64)[..]).expect("insert");
+        }
+        tree.flush().expect("flush");
+
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        assert_eq!(log.identity(), "sled:layout-2-stream");
+        let records = (0..100).map(|n| record("anima.v1.config", &format!("new-{n}"), b"new")).collect();
+        let outcomes = log.append_batch(records).await.expect("append");
+        assert_eq!(outcomes[0], AppendOutcome::Appended { seq: 4 });
+        assert_eq!(entries_with_prefix(&tree, PREFIX_RECORD), 103);
+        assert_eq!(entries_with_prefix(&tree, PREFIX_GROUP), 0);
+        assert_eq!(read_seqs(&log, 2, 5, None).await, [2, 3, 4, 5]);
+        assert_eq!(log.get(2).await.expect("get").expect("stored").payload, Bytes::from_static(b"old"));
+        drop(log);
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+        assert_eq!(log.last_seq().await.expect("last"), 103);
+        drop(log);
+        assert_eq!(tree.get(meta_key(META_FORMAT)).expect("get").as_deref(), Some(FORMAT_RECORDED_SUBJECTS));
+
+        tree.insert(meta_key(META_FORMAT), &b"9"[..]).expect("insert");
+        let refused = EmbeddedLog::open(db, EmbeddedConfig::default()).expect_err("an unknown layout");
+        assert!(refused.to_string().contains("layout \"9\""), "{refused}");
     }
 
     #[test]
@@ -1136,6 +1484,8 @@ mod tests {
         drop(EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("create"));
         let tree = db.open_tree(TREE_NAME).expect("tree");
         tree.remove(meta_key(META_PRUNE_FROM)).expect("remove");
+        // Those builds wrote one entry per record (layout 2).
+        tree.insert(meta_key(META_FORMAT), FORMAT_RECORDED_SUBJECTS).expect("insert");
         // Seqs 1..=4 a second apart; seq 1 was pruned already (no msg-id entry, no expiry key).
         for seq in 1..=4u64 {
             let timestamp_ns = 1_000 * SECOND_NS + seq as i64 * SECOND_NS;
