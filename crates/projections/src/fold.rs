@@ -9,8 +9,9 @@ use prost::Message;
 
 use crate::intern::SurfaceKey;
 use crate::journal::row_meta;
-use crate::journal::{RowBody, RowMeta};
+use crate::journal::RowMeta;
 use crate::proto::{self, envelope::Payload};
+use crate::row::BodyRef;
 use crate::state::{
     AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION, VERDICTS_KEPT_MAX,
 };
@@ -173,11 +174,11 @@ impl State {
                 ts_seconds,
                 user_id: &message.user_id,
                 bot_id: &message.bot_id,
-                body: RowBody {
-                    text: message.text.clone(),
-                    user_name: message.user_name.clone(),
-                    files: message.files.clone(),
-                    previews: message.previews.clone(),
+                body: BodyRef {
+                    text: &message.text,
+                    user_name: &message.user_name,
+                    files: &message.files,
+                    previews: &message.previews,
                 },
                 mentions: &|record: &AgentRecord| app_mention || mentions(&message.text, &record.slack_bot_user_id),
                 is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
@@ -225,14 +226,10 @@ impl State {
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
-                let body = RowBody {
-                    text: confirmation.text.clone(),
-                    files: confirmation.files.clone(),
-                    ..RowBody::default()
-                };
+                let body = BodyRef { text: &confirmation.text, files: &confirmation.files, ..BodyRef::default() };
                 let ordinal = self.journal_tail(surface_key) + 1;
                 let row =
-                    row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), &body);
+                    row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), body);
                 self.journal_new_row(surface_key, row);
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
@@ -288,11 +285,11 @@ impl State {
                 ts_seconds: log_seconds(at.at_ns),
                 user_id: &message.sender_id,
                 bot_id: "",
-                body: RowBody {
-                    text: message.text.clone(),
-                    user_name: message.sender_name.clone(),
-                    files: message.files.clone(),
-                    previews: Vec::new(),
+                body: BodyRef {
+                    text: &message.text,
+                    user_name: &message.sender_name,
+                    files: &message.files,
+                    previews: &[],
                 },
                 mentions: &|record: &AgentRecord| {
                     !record.chat_user_id.is_empty() && message.mentioned_user_ids.contains(&record.chat_user_id)
@@ -328,7 +325,7 @@ impl State {
         }
         let existing = self.identity_ordinal(surface_key, id);
         let ordinal = existing.unwrap_or_else(|| self.journal_tail(surface_key) + 1);
-        let row = row_meta(at, ordinal, id, ts_seconds, user_id, bot_id, owner, &body);
+        let row = row_meta(at, ordinal, id, ts_seconds, user_id, bot_id, owner, body);
         if existing.is_none() {
             self.journal_new_row(surface_key, row.clone());
         }
@@ -339,8 +336,8 @@ impl State {
             if row.is_own(&agent) && existing.is_none() {
                 self.note_own_post(at, &agent, &surface, id);
             }
-            let observed = Observed { surface: &surface, row: &row, direct, mentioned, is_bot, text: &body.text };
-            (route, wake, not_queued) = self.route_and_queue(at, &agent, &observed, &body, identity);
+            let observed = Observed { surface: &surface, row: &row, direct, mentioned, is_bot, text: body.text };
+            (route, wake, not_queued) = self.route_and_queue(at, &agent, &observed, body, identity);
         }
         Verdict::Journaled(JournalVerdict {
             agent,
@@ -361,7 +358,7 @@ impl State {
         at: LogPosition,
         agent: &str,
         observed: &Observed<'_>,
-        body: &RowBody,
+        body: BodyRef<'_>,
         identity: String,
     ) -> (Option<Route>, Option<crate::wake::WakeReason>, Option<NotQueued>) {
         let routed = self.route(agent, observed);
@@ -430,7 +427,7 @@ struct Incoming<'a> {
     bot_id: &'a str,
     /// The agent the author is, if any.
     owner: Option<String>,
-    body: RowBody,
+    body: BodyRef<'a>,
     /// A direct conversation (Slack DM, p2p chat).
     direct: bool,
     /// Whether it mentions the receiving agent, given its record.

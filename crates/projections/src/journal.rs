@@ -126,7 +126,7 @@ pub(crate) fn row_meta(
     user_id: &str,
     bot_id: &str,
     owner: Option<String>,
-    body: &RowBody,
+    body: crate::row::BodyRef<'_>,
 ) -> RowMeta {
     let mut meta = RowMeta {
         ordinal,

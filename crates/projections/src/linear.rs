@@ -15,8 +15,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::journal::row_meta;
-use crate::journal::RowBody;
 use crate::proto;
+use crate::row::BodyRef;
 use crate::state::{LogPosition, State};
 use crate::surface::{linear_receipt_identity, LinearReceiptKind, SurfaceId};
 use crate::time::log_seconds;
@@ -125,13 +125,12 @@ impl State {
                 self.linear_receipts.remove(&oldest);
             }
         }
-        let body =
-            RowBody { text: event.prompt_text.clone(), user_name: event.issue_title.clone(), ..RowBody::default() };
+        let body = BodyRef { text: &event.prompt_text, user_name: &event.issue_title, ..BodyRef::default() };
         let item = WakeItem {
             id: receipt.clone(),
             reason: WakeReason::Linear,
             trigger_surface: session.clone(),
-            trigger: row_meta(at, 0, &receipt, log_seconds(at.at_ns), "", "", None, &body),
+            trigger: row_meta(at, 0, &receipt, log_seconds(at.at_ns), "", "", None, body),
             reply_to: session,
             queued_seq: at.seq,
             queued_at_ns: at.at_ns,

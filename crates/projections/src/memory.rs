@@ -403,7 +403,7 @@ impl State {
                 "",
                 "",
                 None,
-                &crate::journal::RowBody::default(),
+                crate::row::BodyRef::default(),
             ),
             reply_to: SurfaceId::Memory { agent: agent.to_owned() },
             queued_seq: at.seq,

@@ -128,7 +128,7 @@ pub fn render_wake_text(
         put_row(&mut out, meta, body, Some(reader));
     }
     put_wake_latest_header(&mut out, &item.frame());
-    put_sender(&mut out, &item.trigger, trigger_body, Some(reader));
+    put_sender(&mut out, &item.trigger, &trigger_body.user_name, Some(reader));
     out.put("\n");
     put_text(&mut out, trigger_body);
     put_extras(&mut out, item, trigger_body, claimed.extras);

@@ -46,7 +46,22 @@ pub struct RowBody {
     pub previews: Vec<proto::LinkPreview>,
 }
 
+/// A row's content borrowed from where it lies (the decoded event the fold is applying, or a
+/// [`RowBody`]): what the fold sizes a new row from, without copying the event's text.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BodyRef<'a> {
+    pub text: &'a str,
+    pub user_name: &'a str,
+    pub files: &'a [proto::SlackFile],
+    pub previews: &'a [proto::LinkPreview],
+}
+
 impl RowBody {
+    /// The body, borrowed.
+    pub fn as_ref(&self) -> BodyRef<'_> {
+        BodyRef { text: &self.text, user_name: &self.user_name, files: &self.files, previews: &self.previews }
+    }
+
     /// The body of a journaled event (a Slack or chat observation, or a confirmed own post).
     pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
         use proto::envelope::Payload;
