@@ -525,9 +525,9 @@ impl Engine {
             return Err(invalid("occurred_at_ms", "is required for a stop (unix milliseconds of the stop)"));
         }
         let surface = SurfaceId::Slack {
-            team: stop.team_id.clone(),
-            channel: stop.channel_id.clone(),
-            thread_ts: Some(stop.thread_ts.clone()),
+            team: stop.team_id.as_str().into(),
+            channel: stop.channel_id.as_str().into(),
+            thread_ts: Some(stop.thread_ts.as_str().into()),
         };
         let key = format!("slack-thread-stop\0{surface}\0{}\0{occurred_at_ms}", stop.receiving_agent_id);
         let event_id = Uuid::new_v5(&EVENT_ID_NAMESPACE, key.as_bytes()).to_string();

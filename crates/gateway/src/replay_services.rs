@@ -251,10 +251,10 @@ fn row(row: &RowMeta, reader: Option<&str>) -> api::ReplayRow {
         ordinal: row.ordinal,
         seq: row.seq,
         log_time_ns: row.at_ns,
-        ts: row.ts.clone(),
-        user_id: row.user_id.clone(),
-        bot_id: row.bot_id.clone(),
-        owner: row.owner.clone().unwrap_or_default(),
+        ts: row.ts.to_string(),
+        user_id: row.user_id.to_string(),
+        bot_id: row.bot_id.to_string(),
+        owner: row.owner.as_deref().unwrap_or_default().to_owned(),
         foreign: reader.is_some_and(|agent| !row.is_own(agent)),
         body_bytes: row.body_bytes,
     }
@@ -328,7 +328,7 @@ pub fn state_at_response(
         api::ReplaySurfaceState {
             surface: surface.to_string(),
             tail: tail_of(surface),
-            trailing_owner: journal.and_then(|j| j.trailing_owner.clone()).unwrap_or_default(),
+            trailing_owner: journal.and_then(|j| j.trailing_owner.as_deref()).unwrap_or_default().to_owned(),
             trailing_run_start: journal.map_or(0, |j| j.trailing_run_start),
             cursors: state
                 .cursor_entries()

@@ -80,7 +80,7 @@ fn linear_outcome_message(outcome: LinearIngestOutcome) -> api::AppendOutcome {
         agent_id: verdict.agent,
         seq: outcome.seq,
         duplicate_event: outcome.duplicate_event,
-        surface: anima_projections::surface::SurfaceId::Linear { session: verdict.session }.to_string(),
+        surface: anima_projections::surface::SurfaceId::Linear { session: verdict.session.into() }.to_string(),
         wake_reason: verdict.wake.map(|w| w.as_str().to_owned()).unwrap_or_default(),
         receipt_id: verdict.receipt.unwrap_or_default(),
         duplicate_receipt: verdict.duplicate_receipt,

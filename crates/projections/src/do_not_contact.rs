@@ -178,7 +178,7 @@ impl State {
             }
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => return None,
         };
-        let listed = config.lists.get(workspace).filter(|users| !users.is_empty())?;
+        let listed = config.lists.get(workspace.as_str()).filter(|users| !users.is_empty())?;
         let Some(direct) = direct else {
             return Some(refuse(NotContactedReason::CouldNotVerify, None, None));
         };

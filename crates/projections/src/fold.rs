@@ -124,7 +124,7 @@ impl State {
 
     /// The agent a Slack author belongs to: its user id is an agent's bot user id, or its bot id
     /// is an agent's bot id or bot user id.
-    fn slack_owner(&self, user_id: &str, bot_id: &str) -> Option<String> {
+    fn slack_owner(&self, user_id: &str, bot_id: &str) -> Option<crate::surface::Id> {
         // One key buffer for the (up to three) lookups of every message.
         let mut key = String::with_capacity(2 + user_id.len().max(bot_id.len()));
         for (prefix, id) in [("u:", user_id), ("b:", bot_id), ("u:", bot_id)] {
@@ -135,7 +135,7 @@ impl State {
             key.push_str(prefix);
             key.push_str(id);
             if let Some(agent) = self.slack_identities.get(key.as_str()) {
-                return Some(agent.clone());
+                return Some(agent.as_str().into());
             }
         }
         None
@@ -228,8 +228,16 @@ impl State {
             None => {
                 let body = BodyRef { text: &confirmation.text, files: &confirmation.files, ..BodyRef::default() };
                 let ordinal = self.journal_tail(surface_key) + 1;
-                let row =
-                    row_meta(at, ordinal, &confirmation.ts, ts_seconds, &user_id, &bot_id, Some(agent.clone()), body);
+                let row = row_meta(
+                    at,
+                    ordinal,
+                    &confirmation.ts,
+                    ts_seconds,
+                    &user_id,
+                    &bot_id,
+                    Some(agent.as_str().into()),
+                    body,
+                );
                 self.journal_new_row(surface_key, row);
                 if confirmation.kind != proto::SendKind::File as i32 {
                     self.note_own_post(at, &agent, &surface, &confirmation.ts);
@@ -278,7 +286,7 @@ impl State {
             at,
             Incoming {
                 agent,
-                owner: self.chat_identities.get(&message.sender_id).cloned(),
+                owner: self.chat_identities.get(&message.sender_id).map(|agent| agent.as_str().into()),
                 direct: kind == ChatKind::P2p,
                 surface,
                 id: &message.message_id,
@@ -390,7 +398,7 @@ impl State {
 
     /// The ordinal a message identity was journaled at, if it is in the surface's dedupe window.
     fn identity_ordinal(&mut self, surface: SurfaceKey, ts: &str) -> Option<u64> {
-        let key = (surface, ts.to_owned());
+        let key = (surface, crate::surface::Id::from(ts));
         self.identities.ensure(crate::state::IDENTITIES_TAG, &key, &self.cold);
         self.identities.get(&key).copied()
     }
@@ -426,7 +434,7 @@ struct Incoming<'a> {
     user_id: &'a str,
     bot_id: &'a str,
     /// The agent the author is, if any.
-    owner: Option<String>,
+    owner: Option<crate::surface::Id>,
     body: BodyRef<'a>,
     /// A direct conversation (Slack DM, p2p chat).
     direct: bool,

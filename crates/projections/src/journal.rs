@@ -23,7 +23,7 @@ pub struct SurfaceJournal {
     pub tail: u64,
     /// The agent that wrote the trailing run of rows, if one did; with `trailing_run_start` this
     /// answers "the newest row not written by agent A" exactly, whatever the window holds.
-    pub trailing_owner: Option<String>,
+    pub trailing_owner: Option<crate::surface::Id>,
     pub trailing_run_start: u64,
 }
 
@@ -125,17 +125,17 @@ pub(crate) fn row_meta(
     ts_seconds: i64,
     user_id: &str,
     bot_id: &str,
-    owner: Option<String>,
+    owner: Option<crate::surface::Id>,
     body: crate::row::BodyRef<'_>,
 ) -> RowMeta {
     let mut meta = RowMeta {
         ordinal,
         seq: at.seq,
         at_ns: at.at_ns,
-        ts: ts.to_owned(),
+        ts: ts.into(),
         ts_seconds,
-        user_id: user_id.to_owned(),
-        bot_id: bot_id.to_owned(),
+        user_id: user_id.into(),
+        bot_id: bot_id.into(),
         owner,
         row_bytes: 0,
         sender_bytes: 0,
@@ -161,11 +161,11 @@ mod tests {
             ordinal,
             seq: ordinal,
             at_ns: 0,
-            ts: String::new(),
+            ts: crate::surface::Id::default(),
             ts_seconds: 0,
-            user_id: String::new(),
-            bot_id: String::new(),
-            owner: owner.map(str::to_owned),
+            user_id: crate::surface::Id::default(),
+            bot_id: crate::surface::Id::default(),
+            owner: owner.map(Into::into),
             row_bytes: 10,
             sender_bytes: 1,
             body_bytes: 1,

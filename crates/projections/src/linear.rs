@@ -89,7 +89,7 @@ impl State {
         if event.session_id.is_empty() || event.installation_id.is_empty() {
             return refused(RefusalKind::InvalidArgument, "session_id and installation_id must be set");
         }
-        let session = SurfaceId::Linear { session: event.session_id.clone() };
+        let session = SurfaceId::Linear { session: event.session_id.as_str().into() };
         let kind =
             proto::LinearSessionEventKind::try_from(event.kind).unwrap_or(proto::LinearSessionEventKind::Unspecified);
         let (receipt_kind, receipt_source) = match kind {

@@ -394,7 +394,7 @@ impl State {
         let item = WakeItem {
             id: due.pass_id.clone(),
             reason: WakeReason::Memory,
-            trigger_surface: SurfaceId::Memory { agent: agent.to_owned() },
+            trigger_surface: SurfaceId::Memory { agent: agent.into() },
             trigger: crate::journal::row_meta(
                 at,
                 0,
@@ -405,7 +405,7 @@ impl State {
                 None,
                 crate::row::BodyRef::default(),
             ),
-            reply_to: SurfaceId::Memory { agent: agent.to_owned() },
+            reply_to: SurfaceId::Memory { agent: agent.into() },
             queued_seq: at.seq,
             queued_at_ns: at.at_ns,
             resume_after_restart: false,

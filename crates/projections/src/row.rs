@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::proto;
+use crate::surface::Id;
 
 /// What the fold keeps of one journal row.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,12 +18,12 @@ pub struct RowMeta {
     pub at_ns: i64,
     /// Slack ts and its whole seconds; for chat rows the platform's message id and the whole
     /// seconds of the log time that journaled it (chat messages carry no time of their own).
-    pub ts: String,
+    pub ts: Id,
     pub ts_seconds: i64,
-    pub user_id: String,
-    pub bot_id: String,
+    pub user_id: Id,
+    pub bot_id: Id,
     /// The agent whose platform identity wrote it, classified when it was journaled.
-    pub owner: Option<String>,
+    pub owner: Option<Id>,
     /// Rendered size for a reader who does not own it, and of its sender label and body.
     pub row_bytes: u32,
     pub sender_bytes: u32,

@@ -142,9 +142,9 @@ pub struct State {
     /// rows of each surface. Cold: rows of idle surfaces leave memory under the budget.
     pub journal_rows: ColdTable<(SurfaceKey, u64), crate::journal::RowMeta, RowSlots>,
     /// (surface, ts) → ordinal, the dedupe window of message identities. Cold.
-    pub identities: ColdTable<(SurfaceKey, String), u64>,
+    pub identities: ColdTable<(SurfaceKey, crate::surface::Id), u64>,
     /// (surface, ordinal) → (ordinal, ts), to evict the oldest identity of a surface. Cold.
-    pub identity_order: ColdTable<(SurfaceKey, u64), (u64, String), IdentitySlots>,
+    pub identity_order: ColdTable<(SurfaceKey, u64), (u64, crate::surface::Id), IdentitySlots>,
     /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
     pub cursors: Table<AgentSurface, u64>,
     pub queues: Table<String, AgentQueue>,
@@ -231,14 +231,14 @@ impl crate::cold::Slots<(SurfaceKey, u64), crate::journal::RowMeta> for RowSlots
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IdentitySlots;
 
-impl crate::cold::Slots<(SurfaceKey, u64), (u64, String)> for IdentitySlots {
+impl crate::cold::Slots<(SurfaceKey, u64), (u64, crate::surface::Id)> for IdentitySlots {
     fn slot(&(surface, ordinal): &(SurfaceKey, u64)) -> (SurfaceKey, u64) {
         (surface, ordinal % IDENTITIES_PER_SURFACE_MAX)
     }
-    fn holds(&(_, ordinal): &(SurfaceKey, u64), &(stored, _): &(u64, String)) -> bool {
+    fn holds(&(_, ordinal): &(SurfaceKey, u64), &(stored, _): &(u64, crate::surface::Id)) -> bool {
         stored == ordinal
     }
-    fn key_of((surface, _): (SurfaceKey, u64), &(ordinal, _): &(u64, String)) -> (SurfaceKey, u64) {
+    fn key_of((surface, _): (SurfaceKey, u64), &(ordinal, _): &(u64, crate::surface::Id)) -> (SurfaceKey, u64) {
         (surface, ordinal)
     }
 }

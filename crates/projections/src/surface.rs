@@ -13,29 +13,34 @@ use serde::{Deserialize, Serialize};
 
 use crate::proto;
 
+/// An id inside a surface (team, channel, thread ts, chat id...): a string kept inline up to 24
+/// bytes, which Slack's ids all are, so the many copies of a surface the fold makes per event
+/// allocate nothing. Encoded, ordered and hashed exactly as a `String`.
+pub type Id = compact_str::CompactString;
+
 /// The variant order is part of the persisted order of every table keyed by surface: new
 /// variants go last.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum SurfaceId {
     Slack {
-        team: String,
-        channel: String,
-        thread_ts: Option<String>,
+        team: Id,
+        channel: Id,
+        thread_ts: Option<Id>,
     },
     Chat {
-        tenant: String,
-        chat: String,
-        thread: Option<String>,
+        tenant: Id,
+        chat: Id,
+        thread: Option<Id>,
     },
     /// A Linear agent session (a UUID, validated at ingest): the surface and the reply target of
     /// Linear wakes. It has no journal and no cursors; answers go through the response protocol.
     Linear {
-        session: String,
+        session: Id,
     },
     /// An agent's memory (`MEMORY.md` and `notes/`): the surface of its memory passes. It has no
     /// journal, no cursors and no reply target.
     Memory {
-        agent: String,
+        agent: Id,
     },
 }
 
@@ -62,16 +67,16 @@ impl SurfaceId {
     /// differs from its own `ts` (a thread parent lives on the top level), else the top level.
     pub fn slack_message(team: &str, channel: &str, ts: &str, thread_ts: &str) -> Self {
         let thread = thread_ts.trim();
-        let thread_ts = (!thread.is_empty() && thread != ts).then(|| thread.to_owned());
-        SurfaceId::Slack { team: team.to_owned(), channel: channel.to_owned(), thread_ts }
+        let thread_ts = (!thread.is_empty() && thread != ts).then(|| Id::from(thread));
+        SurfaceId::Slack { team: team.into(), channel: channel.into(), thread_ts }
     }
 
     /// The surface of a chat message: its thread when `thread_id` is present, non-blank and
     /// differs from its own message id (a thread root lives on the top level), else the top level.
     pub fn chat_message(tenant: &str, chat: &str, message_id: &str, thread_id: &str) -> Self {
         let thread = thread_id.trim();
-        let thread = (!thread.is_empty() && thread != message_id).then(|| thread.to_owned());
-        SurfaceId::Chat { tenant: tenant.to_owned(), chat: chat.to_owned(), thread }
+        let thread = (!thread.is_empty() && thread != message_id).then(|| Id::from(thread));
+        SurfaceId::Chat { tenant: tenant.into(), chat: chat.into(), thread }
     }
 
     /// The outbound surface of a post: the thread when a thread ts (id) is given, else the top
@@ -81,14 +86,14 @@ impl SurfaceId {
             proto::reply_target::Target::Slack(slack) => {
                 let thread = slack.thread_ts.trim();
                 Some(SurfaceId::Slack {
-                    team: slack.team_id.clone(),
-                    channel: slack.channel_id.clone(),
-                    thread_ts: (!thread.is_empty()).then(|| thread.to_owned()),
+                    team: slack.team_id.as_str().into(),
+                    channel: slack.channel_id.as_str().into(),
+                    thread_ts: (!thread.is_empty()).then(|| Id::from(thread)),
                 })
             }
             proto::reply_target::Target::Chat(chat) => Some(SurfaceId::from_chat_target(chat)),
             proto::reply_target::Target::Linear(linear) => {
-                Some(SurfaceId::Linear { session: linear.session_id.clone() })
+                Some(SurfaceId::Linear { session: linear.session_id.as_str().into() })
             }
         }
     }
@@ -96,9 +101,9 @@ impl SurfaceId {
     pub fn from_chat_target(target: &proto::ChatTarget) -> Self {
         let thread = target.thread_id.trim();
         SurfaceId::Chat {
-            tenant: target.tenant_id.clone(),
-            chat: target.chat_id.clone(),
-            thread: (!thread.is_empty()).then(|| thread.to_owned()),
+            tenant: target.tenant_id.as_str().into(),
+            chat: target.chat_id.as_str().into(),
+            thread: (!thread.is_empty()).then(|| Id::from(thread)),
         }
     }
 
@@ -106,17 +111,17 @@ impl SurfaceId {
     pub fn to_target(&self) -> proto::ReplyTarget {
         let target = match self {
             SurfaceId::Slack { team, channel, thread_ts } => proto::reply_target::Target::Slack(proto::SlackTarget {
-                team_id: team.clone(),
-                channel_id: channel.clone(),
-                thread_ts: thread_ts.clone().unwrap_or_default(),
+                team_id: team.to_string(),
+                channel_id: channel.to_string(),
+                thread_ts: thread_ts.as_deref().unwrap_or_default().to_owned(),
             }),
             SurfaceId::Chat { tenant, chat, thread } => proto::reply_target::Target::Chat(proto::ChatTarget {
-                tenant_id: tenant.clone(),
-                chat_id: chat.clone(),
-                thread_id: thread.clone().unwrap_or_default(),
+                tenant_id: tenant.to_string(),
+                chat_id: chat.to_string(),
+                thread_id: thread.as_deref().unwrap_or_default().to_owned(),
             }),
             SurfaceId::Linear { session } => {
-                proto::reply_target::Target::Linear(proto::LinearTarget { session_id: session.clone() })
+                proto::reply_target::Target::Linear(proto::LinearTarget { session_id: session.to_string() })
             }
             // A memory pass answers nobody.
             SurfaceId::Memory { .. } => return proto::ReplyTarget { target: None },
@@ -160,10 +165,10 @@ impl SurfaceId {
     pub fn thread_at(&self, root: &str) -> SurfaceId {
         match self {
             SurfaceId::Slack { team, channel, .. } => {
-                SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(root.to_owned()) }
+                SurfaceId::Slack { team: team.clone(), channel: channel.clone(), thread_ts: Some(root.into()) }
             }
             SurfaceId::Chat { tenant, chat, .. } => {
-                SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: Some(root.to_owned()) }
+                SurfaceId::Chat { tenant: tenant.clone(), chat: chat.clone(), thread: Some(root.into()) }
             }
             // A session and a memory have no threads.
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => self.clone(),
@@ -180,10 +185,10 @@ impl SurfaceId {
     pub fn parse(key: &str) -> Option<Self> {
         if let Some(session) = key.strip_prefix("linear:") {
             let valid = !session.is_empty() && session.chars().all(|c| c.is_ascii_hexdigit() || c == '-');
-            return valid.then(|| SurfaceId::Linear { session: session.to_owned() });
+            return valid.then(|| SurfaceId::Linear { session: session.into() });
         }
         if let Some(agent) = key.strip_prefix("memory:") {
-            let surface = SurfaceId::Memory { agent: unescape_key_part(agent)? };
+            let surface = SurfaceId::Memory { agent: unescape_key_part(agent)?.into() };
             return (!agent.is_empty() && surface.to_string() == key).then_some(surface);
         }
         let mut parts = key.split(':');
@@ -199,16 +204,12 @@ impl SurfaceId {
             return None;
         }
         let surface = match platform {
-            "slack" => SurfaceId::Slack {
-                team: first.to_owned(),
-                channel: second.to_owned(),
-                thread_ts: thread.map(str::to_owned),
-            },
+            "slack" => SurfaceId::Slack { team: first.into(), channel: second.into(), thread_ts: thread.map(Id::from) },
             "chat" => SurfaceId::Chat {
-                tenant: unescape_key_part(first)?,
-                chat: unescape_key_part(second)?,
+                tenant: unescape_key_part(first)?.into(),
+                chat: unescape_key_part(second)?.into(),
                 thread: match thread {
-                    Some(thread) => Some(unescape_key_part(thread)?),
+                    Some(thread) => Some(unescape_key_part(thread)?.into()),
                     None => None,
                 },
             },
@@ -377,10 +378,10 @@ mod tests {
             thread in proptest::option::of("[a:%b]{1,6}"),
             other in "[a:%3A]{1,6}",
         ) {
-            let surface = SurfaceId::Chat { tenant: tenant.clone(), chat, thread };
+            let surface = SurfaceId::Chat { tenant: tenant.as_str().into(), chat: chat.into(), thread: thread.map(Into::into) };
             proptest::prop_assert_eq!(SurfaceId::parse(&surface.to_string()), Some(surface.clone()));
             let SurfaceId::Chat { chat, thread, .. } = &surface else { unreachable!() };
-            let moved = SurfaceId::Chat { tenant: other.clone(), chat: chat.clone(), thread: thread.clone() };
+            let moved = SurfaceId::Chat { tenant: other.as_str().into(), chat: chat.clone(), thread: thread.clone() };
             proptest::prop_assert_eq!(tenant == other, moved.to_string() == surface.to_string());
         }
     }

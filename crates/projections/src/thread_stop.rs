@@ -32,9 +32,9 @@ impl State {
             return refused(RefusalKind::InvalidArgument, "thread_ts is empty: a stop names a thread");
         }
         let thread = SurfaceId::Slack {
-            team: stop.team_id.clone(),
-            channel: stop.channel_id.clone(),
-            thread_ts: Some(stop.thread_ts.trim().to_owned()),
+            team: stop.team_id.as_str().into(),
+            channel: stop.channel_id.as_str().into(),
+            thread_ts: Some(stop.thread_ts.trim().into()),
         };
         // Input of the thread: wakes triggered in it, and wakes that answer into it (a mention on
         // the thread's parent is triggered on the top level and replies in the thread).

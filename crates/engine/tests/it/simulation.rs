@@ -716,8 +716,8 @@ impl Sim {
                 };
                 let surface = SurfaceId::Slack {
                     team: TEAM.into(),
-                    channel: channel_id,
-                    thread_ts: (!thread_ts.is_empty()).then_some(thread_ts),
+                    channel: channel_id.into(),
+                    thread_ts: (!thread_ts.is_empty()).then_some(thread_ts.into()),
                 };
                 self.remember_surface(surface);
                 self.deliveries.push(SlackDelivery { observation: observation.clone() });
@@ -778,7 +778,11 @@ impl Sim {
                     occurred_at_ms: self.clock.now_ns() / 1_000_000,
                 };
                 let thread = (!thread_id.is_empty()).then_some(thread_id);
-                self.remember_surface(SurfaceId::Chat { tenant: TENANT.into(), chat: chat_id, thread });
+                self.remember_surface(SurfaceId::Chat {
+                    tenant: TENANT.into(),
+                    chat: chat_id.into(),
+                    thread: thread.map(Into::into),
+                });
                 self.engine(self.ingest_node())
                     .ingest_chat(observation)
                     .await
@@ -1578,8 +1582,11 @@ impl Model {
         match payload {
             Payload::SlackMessage(m) => {
                 let thread = (!m.thread_ts.is_empty() && m.thread_ts != m.ts).then(|| m.thread_ts.clone());
-                let surface =
-                    SurfaceId::Slack { team: m.team_id.clone(), channel: m.channel_id.clone(), thread_ts: thread };
+                let surface = SurfaceId::Slack {
+                    team: m.team_id.as_str().into(),
+                    channel: m.channel_id.as_str().into(),
+                    thread_ts: thread.map(Into::into),
+                };
                 let identity = format!("slack:{}:{}:{}", m.team_id, m.channel_id, m.ts);
                 let (ordinal, new) =
                     self.journal(identity.clone(), surface.clone(), slack_owner(&m.user_id, &m.bot_id));
@@ -1587,7 +1594,11 @@ impl Model {
             }
             Payload::ChatMessage(m) => {
                 let thread = (!m.thread_id.is_empty()).then(|| m.thread_id.clone());
-                let surface = SurfaceId::Chat { tenant: m.tenant_id.clone(), chat: m.chat_id.clone(), thread };
+                let surface = SurfaceId::Chat {
+                    tenant: m.tenant_id.as_str().into(),
+                    chat: m.chat_id.as_str().into(),
+                    thread: thread.map(Into::into),
+                };
                 let identity = format!("chat:{}:{}:{}", m.tenant_id, m.chat_id, m.message_id);
                 let (ordinal, new) = self.journal(identity.clone(), surface.clone(), chat_owner(&m.sender_id));
                 self.journaled(seq, at_ns, verdict, &m.receiving_agent_id, identity, surface, ordinal, new)?;
@@ -2254,7 +2265,7 @@ async fn the_engine_keeps_its_invariants_under_random_interleavings_and_crashes(
 // nothing.
 
 fn dm_surface() -> SurfaceId {
-    SurfaceId::Slack { team: TEAM.into(), channel: dm_channel(0), thread_ts: None }
+    SurfaceId::Slack { team: TEAM.into(), channel: dm_channel(0).into(), thread_ts: None }
 }
 
 fn event(payload: Payload) -> proto::Envelope {

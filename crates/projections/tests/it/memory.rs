@@ -1123,7 +1123,7 @@ fn claimed_pass(day: Date, memory_md_bytes: u64, threshold: Option<u64>) -> (Cla
 #[test]
 fn the_wake_text_of_a_pass_under_the_threshold_is_the_maintenance_form() {
     let (claimed, text) = claimed_pass(date(2026, 3, 9), 20 * 1024, Some(20 * 1024));
-    assert_eq!(claimed.item.reply_to, SurfaceId::Memory { agent: "zed".to_owned() });
+    assert_eq!(claimed.item.reply_to, SurfaceId::Memory { agent: "zed".into() });
     assert_eq!(claimed.item.reply_to.to_target().target, None, "a pass answers nobody");
     assert!(claimed.plan.is_empty(), "a pass moves no cursor");
     expect![[r#"
