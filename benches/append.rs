@@ -2,8 +2,9 @@
 //! store doing the same writes on the same machine, so the ratio shows what the log layer costs:
 //!
 //! * embedded: `EmbeddedLog::append_batch` of 1,000 records against raw sled `apply_batch` +
-//!   `flush` of the same entries (the record under its seq key and the msg-id index entry, byte
-//!   for byte the same sizes) in a tree of the same kind. The raw side does not read: the
+//!   `flush` of the same entries (the records in groups of the same bounds under their first
+//!   seq's key, and one msg-id index entry per record, byte for byte the same sizes) in a tree of
+//!   the same kind. The raw side does not read: the
 //!   embedded log also looks up msg ids it may hold (dedupe) and reads its prune cursor's record.
 //!   The run is shorter than the dedupe window, so nothing is pruned on either side.
 //! * JetStream: `JetStreamLog::append_batch` of 10,000 records against raw async-nats publishes

@@ -174,12 +174,7 @@ impl State {
                 ts_seconds,
                 user_id: &message.user_id,
                 bot_id: &message.bot_id,
-                body: BodyRef {
-                    text: &message.text,
-                    user_name: &message.user_name,
-                    files: &message.files,
-                    previews: &message.previews,
-                },
+                body: BodyRef::slack(message),
                 mentions: &|record: &AgentRecord| app_mention || mentions(&message.text, &record.slack_bot_user_id),
                 is_bot: !message.bot_id.is_empty() || message.subtype == "bot_message",
                 identity: slack_message_identity(&message.team_id, &message.channel_id, &message.ts),
@@ -226,7 +221,7 @@ impl State {
         let ordinal = match existing {
             Some(ordinal) => ordinal,
             None => {
-                let body = BodyRef { text: &confirmation.text, files: &confirmation.files, ..BodyRef::default() };
+                let body = BodyRef::confirmed(confirmation);
                 let ordinal = self.journal_tail(surface_key) + 1;
                 let row = row_meta(
                     at,
@@ -293,12 +288,7 @@ impl State {
                 ts_seconds: log_seconds(at.at_ns),
                 user_id: &message.sender_id,
                 bot_id: "",
-                body: BodyRef {
-                    text: &message.text,
-                    user_name: &message.sender_name,
-                    files: &message.files,
-                    previews: &[],
-                },
+                body: BodyRef::chat(message),
                 mentions: &|record: &AgentRecord| {
                     !record.chat_user_id.is_empty() && message.mentioned_user_ids.contains(&record.chat_user_id)
                 },

@@ -125,7 +125,7 @@ impl State {
                 self.linear_receipts.remove(&oldest);
             }
         }
-        let body = BodyRef { text: &event.prompt_text, user_name: &event.issue_title, ..BodyRef::default() };
+        let body = BodyRef::linear(event);
         let item = WakeItem {
             id: receipt.clone(),
             reason: WakeReason::Linear,

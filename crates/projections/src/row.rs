@@ -57,38 +57,61 @@ pub struct BodyRef<'a> {
     pub previews: &'a [proto::LinkPreview],
 }
 
+impl<'a> BodyRef<'a> {
+    /// The body of a journaled event (a Slack or chat observation, a Linear session event, or a
+    /// confirmed own post), borrowed from it; `None` for any other event. The one mapping of
+    /// events to bodies: the fold sizes a row from it when it journals the row (through the
+    /// constructors below), and readers render the row from it ([`RowBody::from_envelope`]), so
+    /// the stored sizes and the rendered row cannot disagree on what the body is.
+    pub fn of(payload: &'a proto::envelope::Payload) -> Option<Self> {
+        use proto::envelope::Payload;
+        match payload {
+            Payload::SlackMessage(m) => Some(BodyRef::slack(m)),
+            Payload::ChatMessage(m) => Some(BodyRef::chat(m)),
+            Payload::LinearSession(e) => Some(BodyRef::linear(e)),
+            Payload::SendConfirmed(c) => Some(BodyRef::confirmed(c)),
+            _ => None,
+        }
+    }
+
+    pub fn slack(m: &'a proto::SlackMessageObserved) -> Self {
+        BodyRef { text: &m.text, user_name: &m.user_name, files: &m.files, previews: &m.previews }
+    }
+
+    pub fn chat(m: &'a proto::ChatMessageObserved) -> Self {
+        BodyRef { text: &m.text, user_name: &m.sender_name, files: &m.files, previews: &[] }
+    }
+
+    /// The prompt is the body of a Linear wake's trigger; the issue title stands where a sender's
+    /// name would.
+    pub fn linear(e: &'a proto::LinearSessionEvent) -> Self {
+        BodyRef { text: &e.prompt_text, user_name: &e.issue_title, ..BodyRef::default() }
+    }
+
+    pub fn confirmed(c: &'a proto::SendConfirmed) -> Self {
+        BodyRef { text: &c.text, files: &c.files, ..BodyRef::default() }
+    }
+
+    /// The body, owned.
+    pub fn owned(self) -> RowBody {
+        RowBody {
+            text: self.text.to_owned(),
+            user_name: self.user_name.to_owned(),
+            files: self.files.to_vec(),
+            previews: self.previews.to_vec(),
+        }
+    }
+}
+
 impl RowBody {
     /// The body, borrowed.
     pub fn as_ref(&self) -> BodyRef<'_> {
         BodyRef { text: &self.text, user_name: &self.user_name, files: &self.files, previews: &self.previews }
     }
 
-    /// The body of a journaled event (a Slack or chat observation, or a confirmed own post).
+    /// The body of a journaled event, owned (see [`BodyRef::of`]).
     pub fn from_envelope(envelope: &proto::Envelope) -> Option<RowBody> {
-        use proto::envelope::Payload;
-        match envelope.payload.as_ref()? {
-            Payload::SlackMessage(m) => Some(RowBody {
-                text: m.text.clone(),
-                user_name: m.user_name.clone(),
-                files: m.files.clone(),
-                previews: m.previews.clone(),
-            }),
-            Payload::ChatMessage(m) => Some(RowBody {
-                text: m.text.clone(),
-                user_name: m.sender_name.clone(),
-                files: m.files.clone(),
-                previews: Vec::new(),
-            }),
-            // The prompt is the body of a Linear wake's trigger; the issue title stands where a
-            // sender's name would.
-            Payload::LinearSession(e) => {
-                Some(RowBody { text: e.prompt_text.clone(), user_name: e.issue_title.clone(), ..RowBody::default() })
-            }
-            Payload::SendConfirmed(c) => {
-                Some(RowBody { text: c.text.clone(), files: c.files.clone(), ..RowBody::default() })
-            }
-            _ => None,
-        }
+        BodyRef::of(envelope.payload.as_ref()?).map(BodyRef::owned)
     }
 
     /// Bytes this body takes in memory, for cache accounting: its heap buffers and the fixed
