@@ -12,9 +12,7 @@ use crate::journal::row_meta;
 use crate::journal::RowMeta;
 use crate::proto::{self, envelope::Payload};
 use crate::row::BodyRef;
-use crate::state::{
-    AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION, VERDICTS_KEPT_MAX,
-};
+use crate::state::{AgentRecord, Halt, LogPosition, State, IDENTITIES_PER_SURFACE_MAX, READER_VERSION};
 use crate::subscription::{mentions, Observed, Route};
 use crate::surface::{chat_message_identity, slack_message_identity, ChatKind, SurfaceId};
 use crate::time::log_seconds;
@@ -77,12 +75,8 @@ impl State {
             }
             None => return,
         };
-        self.verdicts.insert(at.seq, crate::state::KeptVerdict::new(verdict));
-        // The window is one of sequences, not of verdicts (some events record none): two kept
-        // verdicts never share a checkpoint slot (seq modulo the window).
-        while self.verdicts.first_key().is_some_and(|first| *first + VERDICTS_KEPT_MAX as u64 <= at.seq) {
-            self.verdicts.pop_first();
-        }
+        // The window is one of sequences, not of verdicts (some events record none).
+        self.verdicts.record(at.seq, crate::state::KeptVerdict::new(verdict));
     }
 
     fn register_agent(&mut self, at: LogPosition, registration: &proto::AgentRegistered) -> Verdict {

@@ -154,7 +154,7 @@ pub struct State {
     /// (agent, settle order) → (order, item id), the window of the agent's newest settles, to
     /// forget the oldest. Cold.
     pub settled_order: ColdTable<(AgentKey, u64), (u64, String), crate::wake::SettledSlots>,
-    pub verdicts: Table<u64, KeptVerdict>,
+    pub verdicts: crate::verdict_window::VerdictWindow,
     /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
     pub subscriptions: Table<AgentSurface, Subscription>,
     /// Chat user ids → the agent they belong to.
@@ -307,9 +307,12 @@ macro_rules! state_tables {
                 )*
                 // Verdicts in pages of their window's slots (seq modulo the window): the newest
                 // takes the slot of the one it pushes out, and a page is written whole.
-                let pages: std::collections::BTreeSet<u64> =
-                    self.verdicts.drain_changes().into_iter().map(|(seq, _)| verdict_page(seq)).collect();
-                let pages: Vec<_> = pages.into_iter().map(|page| (page, self.verdict_page_entries(page))).collect();
+                let pages: Vec<_> = self
+                    .verdicts
+                    .drain_changed_pages()
+                    .into_iter()
+                    .map(|page| (page, self.verdicts.page(page).into_iter().map(|(seq, kept)| (seq, VerdictBytes(kept))).collect::<Vec<_>>()))
+                    .collect();
                 changes.push(crate::changes::Paged { tag: VERDICTS_TAG, pages });
                 // A queue: its header, and each item that changed under its own key.
                 let mut queues = QueueChanges::default();
@@ -381,7 +384,7 @@ macro_rules! state_tables {
                 out.push(VERDICTS_TAG);
                 out.extend(encode(&(self.verdicts.len() as u64)));
                 for (seq, kept) in self.verdicts.iter() {
-                    out.extend(encode(seq));
+                    out.extend(encode(&seq));
                     out.extend(encode(&kept.get()));
                 }
                 out.push(QUEUES_TAG);
@@ -539,17 +542,9 @@ impl Serialize for VerdictBytes {
         <[u8]>::serialize(&self.0.encoded(), serializer)
     }
 }
-/// Verdicts: page of slots (seq modulo the window, [`VERDICTS_PER_PAGE`] slots a page) → the
+/// Verdicts: page of slots (seq modulo the window, [`crate::verdict_window::VERDICTS_PER_PAGE`] slots a page) → the
 /// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
-/// Verdict slots per checkpoint page: every event records a verdict, so one entry per verdict was
-/// a quarter of a checkpoint's entries (the fold bench's mix), and 65,536 for a restore to read.
-const VERDICTS_PER_PAGE: u64 = 64;
-
-/// The checkpoint page of the verdict at `seq`.
-fn verdict_page(seq: u64) -> u64 {
-    (seq % VERDICTS_KEPT_MAX as u64) / VERDICTS_PER_PAGE
-}
 const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
@@ -582,25 +577,9 @@ impl State {
         State::default()
     }
 
-    /// The kept verdicts of a checkpoint page, as (seq, encoded verdict), in seq order. The
-    /// window holds the newest [`VERDICTS_KEPT_MAX`] seqs, so a page's slots hold seqs of the
-    /// window's current cycle and of the one before.
-    fn verdict_page_entries(&self, page: u64) -> Vec<(u64, VerdictBytes)> {
-        let window = VERDICTS_KEPT_MAX as u64;
-        let cycle = self.meta.applied_seq / window;
-        let cycles = if cycle == 0 { 0..=0 } else { cycle - 1..=cycle };
-        cycles
-            .flat_map(|cycle| {
-                let first = cycle * window + page * VERDICTS_PER_PAGE;
-                self.verdicts.range(first..first + VERDICTS_PER_PAGE)
-            })
-            .map(|(seq, kept)| (*seq, VerdictBytes(kept.clone())))
-            .collect()
-    }
-
     /// The verdict recorded for the event at `seq`, if still kept.
     pub fn verdict(&self, seq: u64) -> Option<&Verdict> {
-        self.verdicts.get(&seq).and_then(KeptVerdict::get)
+        self.verdicts.get(seq).and_then(KeptVerdict::get)
     }
 
     pub fn cursor(&self, agent: &str, surface: &SurfaceId) -> Option<u64> {
@@ -776,14 +755,14 @@ mod kept_verdict_tests {
         let recorded = crate::verdict::refused(RefusalKind::InvalidArgument, "agent_id is empty");
         let mut folded = State::new();
         folded.meta.applied_seq = 7;
-        folded.verdicts.insert(7, KeptVerdict::new(recorded.clone()));
+        folded.verdicts.record(7, KeptVerdict::new(recorded.clone()));
         let changes = folded.drain_changes();
         let (key, bytes) = changes.iter().find(|(key, _)| key[0] == VERDICTS_TAG).expect("a verdict page");
         let mut restored = State::new();
         restored.load_entry(key, bytes.as_deref().expect("a page")).expect("loads");
         assert_eq!(restored.verdict(7), Some(&recorded), "decoded on first read");
         assert_eq!(restored.verdict(7), Some(&recorded), "and the same on the next");
-        assert_eq!(restored.verdicts.get(&7), Some(&KeptVerdict::new(recorded)));
+        assert_eq!(restored.verdicts.get(7), Some(&KeptVerdict::new(recorded)));
         let damaged = KeptVerdict::stored(&[0xff, 0xff, 0xff]);
         assert_eq!(damaged.get(), None, "bytes that do not decode are not a verdict");
     }
@@ -801,10 +780,7 @@ mod kept_verdict_tests {
         for seq in (10..=last).step_by(10) {
             folded.meta.applied_seq = seq;
             let verdict = crate::verdict::refused(RefusalKind::InvalidArgument, format!("event {seq}"));
-            folded.verdicts.insert(seq, KeptVerdict::new(verdict));
-            while folded.verdicts.first_key().is_some_and(|first| *first + window <= seq) {
-                folded.verdicts.pop_first();
-            }
+            folded.verdicts.record(seq, KeptVerdict::new(verdict));
             if seq % 7_000 == 0 || seq == last {
                 for (key, value) in folded.drain_changes() {
                     match value {
@@ -819,7 +795,7 @@ mod kept_verdict_tests {
             restored.load_entry(key, value).expect("loads");
         }
         let kept = |state: &State| -> Vec<(u64, Option<Verdict>)> {
-            state.verdicts.iter().map(|(seq, kept)| (*seq, kept.get().cloned())).collect()
+            state.verdicts.iter().map(|(seq, kept)| (seq, kept.get().cloned())).collect()
         };
         let (restored_kept, folded_kept) = (kept(&restored), kept(&folded));
         assert_eq!(
@@ -828,6 +804,6 @@ mod kept_verdict_tests {
         );
         assert!(restored_kept == folded_kept, "the store holds the kept window, no more");
         let pages = store.keys().filter(|key| key[0] == VERDICTS_TAG).count() as u64;
-        assert_eq!(pages, window / VERDICTS_PER_PAGE, "one entry per page of slots");
+        assert_eq!(pages, window / crate::verdict_window::VERDICTS_PER_PAGE, "one entry per page of slots");
     }
 }
