@@ -9,7 +9,7 @@ use crate::text::{
     put_fenced_text, put_field, put_files, put_notes, put_previews, put_row, put_sender, put_text, put_wake_head,
     put_wake_latest_header, put_wake_tail, Extras, Sink,
 };
-use crate::time::format_utc;
+use crate::time::Utc;
 
 /// The trigger's extras after its text, in the order notes, previews, files, as far as `extras`
 /// keeps them.
@@ -39,13 +39,13 @@ fn put_linear_wake(
         out.put("[anima] A runtime restart interrupted your previous turn on this wake. Continue that task; do not repeat external side effects that already happened (check what you already answered in this session).\n");
     }
     out.put("=== linear session ===\n");
-    out.put(&format!("reason: {}\n", item.reason.as_str()));
+    out.put_fmt(format_args!("reason: {}\n", item.reason.as_str()));
     put_field(out, "event", linear.kind.as_str());
     put_field(out, "session_id", &linear.session_id);
     if !linear.agent_activity_id.is_empty() {
         put_field(out, "agent_activity_id", &linear.agent_activity_id);
     }
-    out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
+    out.put_fmt(format_args!("time: {}\n", Utc(item.trigger.ts_seconds)));
     put_field(out, "issue", if linear.issue_identifier.is_empty() { "-" } else { &linear.issue_identifier });
     put_field(out, "issue_url", if linear.issue_url.is_empty() { "-" } else { &linear.issue_url });
     if !body.user_name.trim().is_empty() {
@@ -82,16 +82,16 @@ pub fn put_memory_wake(
     }
     out.put("=== latest wake ===\n");
     out.put("reason: memory\n");
-    out.put(&format!("time: {}\n", format_utc(item.trigger.ts_seconds)));
-    out.put(&format!(
+    out.put_fmt(format_args!("time: {}\n", Utc(item.trigger.ts_seconds)));
+    out.put_fmt(format_args!(
         "scheduled: {} ({})\n",
-        format_utc(memory.slot_at_ns.div_euclid(1_000_000_000)),
+        Utc(memory.slot_at_ns.div_euclid(1_000_000_000)),
         memory.slot_label
     ));
-    out.put(&format!("window_day: {}\n", memory.window_day));
+    out.put_fmt(format_args!("window_day: {}\n", memory.window_day));
     let consolidate = memory_md_bytes > consolidation_threshold_bytes;
     if consolidate {
-        out.put(&format!(
+        out.put_fmt(format_args!(
             "form: consolidation (MEMORY.md is {memory_md_bytes} bytes, above {consolidation_threshold_bytes})\n"
         ));
         out.put("This is your daily memory pass. MEMORY.md has grown past the size it is meant to stay under: this pass is for consolidating it, so that what matters is short enough to be read on every wake, with details moved into notes/ and what no longer holds removed.\n");

@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::row::{BodyRef, RowBody, RowMeta};
 use crate::surface::SurfaceId;
-use crate::time::format_utc;
+use crate::time::{format_utc, Utc};
 
 /// Each message is clipped to this many bytes of escaped text, never inside a UTF-8 code point.
 pub const MESSAGE_CLIP_BYTES: usize = 6_000;
@@ -41,6 +41,19 @@ pub trait Sink {
     fn put_char(&mut self, c: char) {
         let mut buf = [0u8; 4];
         self.put(c.encode_utf8(&mut buf));
+    }
+    /// Formatted text, put piece by piece: no `String` is built for it (counting a wake's
+    /// size is on the fold's path).
+    fn put_fmt(&mut self, args: std::fmt::Arguments<'_>) {
+        struct Pieces<'a, S: ?Sized>(&'a mut S);
+        impl<S: Sink + ?Sized> std::fmt::Write for Pieces<'_, S> {
+            fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                self.0.put(s);
+                Ok(())
+            }
+        }
+        // Neither sink fails, and no Display impl used here does.
+        let _ = std::fmt::write(&mut Pieces(self), args);
     }
 }
 
@@ -91,7 +104,7 @@ fn put_escaped_char(out: &mut impl Sink, c: char) {
     match c {
         ' '..='~' | '\n' | '\t' => out.put_char(c),
         '\r' => out.put("\\r"),
-        c if c.is_control() || is_invisible_format(c) => out.put(&format!("\\u{{{:x}}}", c as u32)),
+        c if c.is_control() || is_invisible_format(c) => out.put_fmt(format_args!("\\u{{{:x}}}", c as u32)),
         c => out.put_char(c),
     }
 }
@@ -138,7 +151,7 @@ pub fn put_fenced_text(out: &mut impl Sink, text: &str) {
                 out.put("\n");
             }
             let rest = text.len() - index;
-            out.put(&format!("> [... clipped: {rest} more bytes of this message not shown]\n"));
+            out.put_fmt(format_args!("> [... clipped: {rest} more bytes of this message not shown]\n"));
             return;
         }
         if at_line_start {
@@ -174,10 +187,10 @@ pub(crate) fn put_files(out: &mut impl Sink, files: &[crate::proto::SlackFile]) 
     for file in files.iter().take(FILES_SHOWN_MAX) {
         out.put("> [file: ");
         put_inline_clipped(out, &file.name, FILE_NAME_SHOWN_BYTES_MAX);
-        out.put(&format!(", {} bytes]\n", file.size_bytes));
+        out.put_fmt(format_args!(", {} bytes]\n", file.size_bytes));
     }
     if files.len() > FILES_SHOWN_MAX {
-        out.put(&format!("> [{} more files not listed]\n", files.len() - FILES_SHOWN_MAX));
+        out.put_fmt(format_args!("> [{} more files not listed]\n", files.len() - FILES_SHOWN_MAX));
     }
 }
 
@@ -279,7 +292,7 @@ pub(crate) fn put_previews(out: &mut impl Sink, previews: &[crate::proto::LinkPr
         }
     }
     if previews.len() > PREVIEWS_SHOWN_MAX {
-        out.put(&format!("> [{} more previews not shown]\n", previews.len() - PREVIEWS_SHOWN_MAX));
+        out.put_fmt(format_args!("> [{} more previews not shown]\n", previews.len() - PREVIEWS_SHOWN_MAX));
     }
 }
 
@@ -342,7 +355,7 @@ pub fn put_row(out: &mut impl Sink, meta: &RowMeta, body: &RowBody, reader: Opti
 
 /// The start of a row's header line, up to its sender: ordinal and UTC time.
 fn put_row_head(out: &mut impl Sink, meta: &RowMeta) {
-    out.put(&format!("[#{} {}] ", meta.ordinal, format_utc(meta.ts_seconds)));
+    out.put_fmt(format_args!("[#{} {}] ", meta.ordinal, Utc(meta.ts_seconds)));
 }
 
 /// The sender label of rows the reader owns.
@@ -488,13 +501,13 @@ impl PostKind {
 /// The part of a held notice above its rows.
 pub fn put_held_head(out: &mut impl Sink, kind: PostKind, new_messages: u64, omitted: u64) {
     out.put("=== not posted yet ===\n");
-    out.put(&format!(
+    out.put_fmt(format_args!(
         "{} arrived in this conversation since you last looked, so your {} was not sent.\n",
         plural(new_messages, "new message", "new messages"),
         kind.noun()
     ));
     if omitted > 0 {
-        out.put(&format!(
+        out.put_fmt(format_args!(
             "The {} are not shown; the newest follow, oldest first.\n",
             plural(omitted, "older one", "older ones")
         ));
@@ -504,7 +517,7 @@ pub fn put_held_head(out: &mut impl Sink, kind: PostKind, new_messages: u64, omi
 /// The part of a held notice below its rows.
 pub fn put_held_tail(out: &mut impl Sink, kind: PostKind) {
     out.put("=== what to do ===\n");
-    out.put(&format!(
+    out.put_fmt(format_args!(
         "Read what arrived. If your {} still fits, send it again unchanged and it will be posted; otherwise send a revised one.\n",
         kind.noun()
     ));
@@ -546,7 +559,7 @@ pub fn put_wake_head(out: &mut impl Sink, not_shown: u64, resume_after_restart: 
     put_wake_head_line(out, resume_after_restart);
     out.put("=== conversation update ===\n");
     if not_shown > 0 {
-        out.put(&format!(
+        out.put_fmt(format_args!(
             "{} before these are not shown.\n",
             plural(not_shown, "earlier new message", "earlier new messages")
         ));
@@ -572,11 +585,11 @@ pub fn put_attention_note(out: &mut impl Sink, note: &AttentionNote) {
         SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => return,
     };
     match note.kind {
-        NoteKind::Burst => out.put(&format!(
+        NoteKind::Burst => out.put_fmt(format_args!(
             "[anima] {place} woke you {} times within the last hour and you have not posted there. If it does not need you, mute it: ",
             note.wakes
         )),
-        NoteKind::Chronic => out.put(&format!(
+        NoteKind::Chronic => out.put_fmt(format_args!(
             "[anima] {place} woke you {} times over three days or more since you last posted there. If it does not need you, mute it: ",
             note.wakes
         )),
@@ -641,7 +654,7 @@ pub struct WakeFrame<'a> {
 /// The "latest wake" block up to the sender (whose label and body follow it).
 pub fn put_wake_latest_header(out: &mut impl Sink, frame: &WakeFrame<'_>) {
     out.put("=== latest wake ===\n");
-    out.put(&format!("reason: {}\n", frame.reason));
+    out.put_fmt(format_args!("reason: {}\n", frame.reason));
     match frame.trigger_surface {
         SurfaceId::Slack { channel, thread_ts, .. } => {
             put_field(out, "channel", channel);
@@ -656,7 +669,7 @@ pub fn put_wake_latest_header(out: &mut impl Sink, frame: &WakeFrame<'_>) {
         SurfaceId::Linear { session } => put_field(out, "session_id", session),
         SurfaceId::Memory { .. } => {}
     }
-    out.put(&format!("time: {}\n", format_utc(frame.trigger.ts_seconds)));
+    out.put_fmt(format_args!("time: {}\n", Utc(frame.trigger.ts_seconds)));
     out.put("user: ");
 }
 

@@ -3,15 +3,27 @@
 
 /// Formats unix seconds as `YYYY-MM-DD HH:MM:SS UTC`. Always 23 bytes for years 1000..=9999.
 pub fn format_utc(unix_seconds: i64) -> String {
-    let days = unix_seconds.div_euclid(86_400);
-    let secs_of_day = unix_seconds.rem_euclid(86_400);
-    let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        secs_of_day / 3600,
-        (secs_of_day / 60) % 60,
-        secs_of_day % 60
-    )
+    Utc(unix_seconds).to_string()
+}
+
+/// Unix seconds shown as [`format_utc`] shows them, written straight into a formatter (a wake's
+/// size is counted on the fold's path, with no `String` built).
+#[derive(Clone, Copy, Debug)]
+pub struct Utc(pub i64);
+
+impl std::fmt::Display for Utc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let days = self.0.div_euclid(86_400);
+        let secs_of_day = self.0.rem_euclid(86_400);
+        let (year, month, day) = civil_from_days(days);
+        write!(
+            f,
+            "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+            secs_of_day / 3600,
+            (secs_of_day / 60) % 60,
+            secs_of_day % 60
+        )
+    }
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar

@@ -521,12 +521,15 @@ impl State {
                 return Err(NotQueued::Duplicate);
             }
         }
-        let queue = self.queues.entry_or_default_by(agent);
-        if queue.holds(&item.id) {
-            return Err(NotQueued::Duplicate);
-        }
-        if queue.queued_len() >= QUEUED_ITEMS_MAX {
-            return Err(NotQueued::QueueFull);
+        // Looked at, not changed: the queue is created and marked changed only when the item
+        // is queued below.
+        if let Some(queue) = self.queues.get(agent) {
+            if queue.holds(&item.id) {
+                return Err(NotQueued::Duplicate);
+            }
+            if queue.queued_len() >= QUEUED_ITEMS_MAX {
+                return Err(NotQueued::QueueFull);
+            }
         }
         let mut item = item;
         let reason = item.reason;
