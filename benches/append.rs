@@ -165,6 +165,13 @@ fn raw_sled_append(tree: &sled::Tree, records: &[AppendRecord], last_seq: &mut u
     tree.flush().expect("raw sled flush");
 }
 
+/// The group entries of a log tree: how many, and their keys' and values' bytes.
+fn group_entries(tree: &sled::Tree) -> (usize, usize) {
+    tree.scan_prefix([PREFIX_GROUP])
+        .map(|entry| entry.expect("read a group entry"))
+        .fold((0, 0), |(n, bytes), (k, v)| (n + 1, bytes + k.len() + v.len()))
+}
+
 fn group_key(first_seq: u64) -> [u8; 9] {
     let mut key = [0u8; 9];
     key[0] = PREFIX_GROUP;
@@ -203,20 +210,33 @@ struct EmbeddedFixture {
 }
 
 impl EmbeddedFixture {
-    fn open() -> Self {
+    /// Opens both sides and appends one batch to each: the raw baseline copies the embedded
+    /// log's group encoding and bounds (they are private to it), so the two trees' group entries
+    /// are compared before anything is measured, and a change to either fails here instead of
+    /// skewing the ratio.
+    fn open(runtime: &Runtime) -> Self {
         let directory = tempfile::Builder::new().prefix("anima-bench-sled-").tempdir().expect("temporary directory");
         let db = sled::Config::new().path(directory.path().join("embedded")).open().expect("open sled");
+        let engine_tree = db.open_tree("log").expect("the embedded log's tree");
         let log = EmbeddedLog::open(db, EmbeddedConfig::default()).expect("open the embedded log");
         let db = sled::Config::new().path(directory.path().join("raw")).open().expect("open sled");
         let raw_tree = db.open_tree("log").expect("open tree");
-        EmbeddedFixture {
+        let mut fixture = EmbeddedFixture {
             log,
             engine_source: RecordSource::new("emb-"),
             raw_tree,
             raw_source: RecordSource::new("raw-"),
             raw_last_seq: 0,
             _directory: directory,
-        }
+        };
+        fixture.engine_batch(runtime);
+        fixture.raw_batch();
+        assert_eq!(
+            group_entries(&engine_tree),
+            group_entries(&fixture.raw_tree),
+            "group entries (count, bytes) of one batch: the raw baseline no longer writes what the embedded log writes"
+        );
+        fixture
     }
 
     /// Appends one batch through the `EventLog` trait; returns the time the append took.
@@ -250,11 +270,11 @@ pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Opti
     group.throughput(Throughput::Elements(EMBEDDED_BATCH_RECORDS as u64));
     let mut fixture: Option<EmbeddedFixture> = None;
     group.bench_function("event_log_append_batch", |b| {
-        let fixture = fixture.get_or_insert_with(EmbeddedFixture::open);
+        let fixture = fixture.get_or_insert_with(|| EmbeddedFixture::open(runtime));
         b.iter_custom(|iters| iterate(iters, || fixture.engine_batch(runtime)));
     });
     group.bench_function("raw_sled_apply_batch_flush", |b| {
-        let fixture = fixture.get_or_insert_with(EmbeddedFixture::open);
+        let fixture = fixture.get_or_insert_with(|| EmbeddedFixture::open(runtime));
         b.iter_custom(|iters| iterate(iters, || fixture.raw_batch()));
     });
     group.finish();
@@ -270,7 +290,7 @@ pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Opti
         "raw sled",
         EMBEDDED_BATCH_RECORDS,
         &runs,
-        &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, 3 entries per record, one flush per batch"),
+        &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, records grouped as the embedded log groups them and one msg-id entry each, one flush per batch"),
     ))
 }
 

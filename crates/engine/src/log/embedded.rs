@@ -471,7 +471,7 @@ fn visit_records(
     layout: RecordLayout,
     from_seq: u64,
     bound: u64,
-    mut visit: impl FnMut(u64, RecordParts<'_>, &sled::IVec) -> LogResult<bool>,
+    mut visit: impl FnMut(u64, RecordParts<'_>, &Bytes) -> LogResult<bool>,
 ) -> LogResult<u64> {
     let mut expected = from_seq;
     if from_seq > bound {
@@ -489,6 +489,9 @@ fn visit_records(
     };
     for entry in tree.range(layout.key(first_entry)..=layout.key(bound)) {
         let (key, value) = entry.map_err(store_error)?;
+        // One shared owner for the entry: each record's payload is a slice of it (a group holds
+        // up to GROUP_RECORDS_MAX records), not an allocation of its own.
+        let value = Bytes::from_owner(value);
         for record in EntryRecords::new(layout, layout.key_seq(&key)?, &value)? {
             let (seq, parts) = record?;
             if seq < from_seq && expected == from_seq {
@@ -762,7 +765,7 @@ impl LogWriter {
         let mut batch = sled::Batch::default();
         let mut outcomes = Vec::with_capacity(group.len());
         // Msg ids stored by this group, so a repeat inside the group is a duplicate too.
-        let mut stored_here: HashMap<&str, u64> = HashMap::new();
+        let mut stored_here: HashMap<&[u8], u64> = HashMap::new();
         let mut last_seq = self.last_seq;
         let mut last_timestamp_ns = self.last_timestamp_ns;
         let now_ns = self.clock.now_ns();
@@ -774,13 +777,13 @@ impl LogWriter {
             let mut request_outcomes = Vec::with_capacity(request.records.len());
             for record in &request.records {
                 records_total += 1;
-                if let Some(&seq) = stored_here.get(record.msg_id.as_str()) {
+                if let Some(&seq) = stored_here.get(record.msg_id.as_bytes()) {
                     request_outcomes.push(AppendOutcome::Duplicate { seq });
                     continue;
                 }
                 let timestamp_ns = now_ns.max(last_timestamp_ns.saturating_add(1));
                 let window_start_ns = timestamp_ns.saturating_sub(self.duplicate_window_ns);
-                let msg_id_key = msg_id_key(&record.msg_id);
+                let msg_id_key = msg_id_key(record.msg_id.as_bytes());
                 let entry = match self.stored_ids.may_hold(&msg_id_key) {
                     true => self.tree.get(&msg_id_key).map_err(store_error)?,
                     false => None,
@@ -800,7 +803,7 @@ impl LogWriter {
                 last_timestamp_ns = timestamp_ns;
                 entries.push(&mut batch, last_seq, timestamp_ns, record);
                 batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
-                stored_here.insert(record.msg_id.as_str(), last_seq);
+                stored_here.insert(record.msg_id.as_bytes(), last_seq);
                 request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
             }
             outcomes.push(request_outcomes);
@@ -824,7 +827,7 @@ impl LogWriter {
     fn plan_pruning(
         &self,
         batch: &mut sled::Batch,
-        stored_here: &HashMap<&str, u64>,
+        stored_here: &HashMap<&[u8], u64>,
         window_start_ns: i64,
         limit: usize,
     ) -> LogResult<(Vec<Vec<u8>>, Pruning)> {
@@ -1106,10 +1109,10 @@ impl<'a> Iterator for EntryRecords<'a> {
     }
 }
 
-fn msg_id_key(msg_id: &str) -> Vec<u8> {
+fn msg_id_key(msg_id: &[u8]) -> Vec<u8> {
     let mut key = Vec::with_capacity(1 + msg_id.len());
     key.push(PREFIX_MSG_ID);
-    key.extend_from_slice(msg_id.as_bytes());
+    key.extend_from_slice(msg_id);
     key
 }
 
@@ -1181,23 +1184,23 @@ fn encoded_record_len(record: &AppendRecord) -> usize {
 struct RecordParts<'a> {
     timestamp_ns: i64,
     subject: &'a str,
-    msg_id: &'a str,
+    /// As stored: only the pruning reads it, as the key of its index entry, so a read does not
+    /// check its encoding (checking it was a sixth of a read's instructions).
+    msg_id: &'a [u8],
     payload: &'a [u8],
 }
 
 impl RecordParts<'_> {
-    /// The record, its payload sharing `value` (the sled value these parts were decoded from,
-    /// which holds the payload) instead of a copy: every event the fold applies is read back
-    /// through here, and a rebuild reads the whole log.
-    fn into_record(self, seq: u64, value: &sled::IVec) -> StoredRecord {
-        let payload_from = (self.payload.as_ptr() as usize).wrapping_sub(value.as_ptr() as usize);
-        let payload_to = payload_from.wrapping_add(self.payload.len());
-        assert!(payload_from <= payload_to && payload_to <= value.len(), "the payload lies inside its stored value");
+    /// The record, its payload sharing `value` (the stored entry these parts were decoded
+    /// from, which holds the payload) instead of a copy: every event the fold applies is read
+    /// back through here, and a rebuild reads the whole log.
+    fn into_record(self, seq: u64, value: &Bytes) -> StoredRecord {
         StoredRecord {
             seq,
             subject: self.subject.to_owned(),
             timestamp_ns: self.timestamp_ns,
-            payload: Bytes::from_owner(value.clone()).slice(payload_from..payload_to),
+            // Panics unless the payload lies inside `value`, which it was decoded from.
+            payload: value.slice_ref(self.payload),
         }
     }
 }
@@ -1222,7 +1225,7 @@ fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
     let subject = std::str::from_utf8(take(subject_len, "subject")?).map_err(|_| malformed("subject is not UTF-8"))?;
     let msg_id_len =
         u16::from_be_bytes(take(2, "msg id length")?.try_into().map_err(|_| malformed("msg id length"))?) as usize;
-    let msg_id = std::str::from_utf8(take(msg_id_len, "msg id")?).map_err(|_| malformed("msg id is not UTF-8"))?;
+    let msg_id = take(msg_id_len, "msg id")?;
     Ok(RecordParts { timestamp_ns, subject, msg_id, payload: rest })
 }
 
@@ -1263,8 +1266,9 @@ mod tests {
     }
 
     fn decode_record(seq: u64, value: &sled::IVec) -> LogResult<StoredRecord> {
-        let (seq, parts) = EntryRecords::new(RecordLayout::PerRecord, seq, value)?.next().expect("one record")?;
-        Ok(parts.into_record(seq, value))
+        let value = Bytes::from_owner(value.clone());
+        let (seq, parts) = EntryRecords::new(RecordLayout::PerRecord, seq, &value)?.next().expect("one record")?;
+        Ok(parts.into_record(seq, &value))
     }
 
     fn entries_with_prefix(tree: &sled::Tree, prefix: u8) -> usize {
@@ -1376,7 +1380,7 @@ mod tests {
             let id = format!("old-{seq}");
             tree.insert(record_key(seq), encode_record(seq as i64, &record("anima.v1.config", &id, b"old")))
                 .expect("insert");
-            tree.insert(msg_id_key(&id), &encode_msg_id_entry(seq, seq as i64)[..]).expect("insert");
+            tree.insert(msg_id_key(id.as_bytes()), &encode_msg_id_entry(seq, seq as i64)[..]).expect("insert");
         }
         tree.flush().expect("flush");
 
@@ -1457,7 +1461,7 @@ mod tests {
         // Seq 1's entry was overwritten by seq 3, seq 2's expired: one entry each for what is
         // inside the window, and the cursor past the two expired records.
         assert_eq!(stored_msg_ids(&tree), ["same"]);
-        let entry = tree.get(msg_id_key("same")).expect("get").expect("msg id entry");
+        let entry = tree.get(msg_id_key(b"same")).expect("get").expect("msg id entry");
         assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 3);
         assert_eq!(prune_from(&tree), 3);
         assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 0, "no expiry index is written");
@@ -1493,7 +1497,7 @@ mod tests {
             tree.insert(record_key(seq), encode_record(timestamp_ns, &record("anima.v1.config", &id, b"x")))
                 .expect("insert");
             if seq > 1 {
-                tree.insert(msg_id_key(&id), &encode_msg_id_entry(seq, timestamp_ns)[..]).expect("insert");
+                tree.insert(msg_id_key(id.as_bytes()), &encode_msg_id_entry(seq, timestamp_ns)[..]).expect("insert");
                 tree.insert(&expiry_key(timestamp_ns, seq)[..], id.as_bytes()).expect("insert");
             }
         }
