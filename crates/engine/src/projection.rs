@@ -389,17 +389,28 @@ const SLOW_BATCH: Duration = Duration::from_millis(50);
 
 fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
-    // Redacting needs no state: done before the lock, so requests reading state never wait on it.
+    // Decoding and redacting need no state: done before the lock, so requests reading state
+    // never wait on them. An event the fold decodes is redacted from that decode as far as the
+    // maintained counters read it (no second, dynamic decode).
     let redactor = anima_projections::redact::Redactor::schema();
-    let redacted: Vec<_> =
-        batch.iter().map(|r| redactor.redact(r.seq, r.timestamp_ns, &r.subject, &r.payload)).collect();
+    let decoded: Vec<_> = batch
+        .iter()
+        .map(|r| {
+            let envelope = proto::Envelope::decode(r.payload.as_ref());
+            let event = match &envelope {
+                Ok(envelope) => redactor.redact_counted(r.seq, r.timestamp_ns, &r.subject, &r.payload, envelope),
+                Err(_) => redactor.redact(r.seq, r.timestamp_ns, &r.subject, &r.payload),
+            };
+            (envelope, event)
+        })
+        .collect();
     let last = {
         let locked = Instant::now();
         let mut state = projection.state();
         let mut analytics = projection.analytics();
-        for (record, event) in batch.iter().zip(redacted) {
+        for (record, (envelope, event)) in batch.iter().zip(decoded) {
             let at = LogPosition { seq: record.seq, at_ns: record.timestamp_ns };
-            match proto::Envelope::decode(record.payload.as_ref()) {
+            match envelope {
                 Ok(envelope) => {
                     state.apply(at, &envelope);
                     if let Some(body) = RowBody::from_envelope(&envelope) {

@@ -202,6 +202,100 @@ impl Redactor {
         }
     }
 
+    /// The redacted view as the maintained analytics count it (type, sizes, envelope fields),
+    /// for an event the fold decoded as `envelope`: without a dynamic decode of it, which was
+    /// most of the runner's work per event. Its `fields` are left empty, except for the two
+    /// event types whose figures read fields (a finish's reported outcome, a confirmed send's
+    /// target), which get the full [`Redactor::redact`]; so does an encoding the wire walk
+    /// does not judge the way a decode would (a field that may appear once appearing twice,
+    /// two members of a oneof, nesting past [`REDACTED_DEPTH_MAX`]). Counting the full view and
+    /// this one gives the same counts.
+    pub fn redact_counted(
+        &self,
+        seq: u64,
+        log_time_ns: i64,
+        subject: &str,
+        stored: &[u8],
+        envelope: &crate::proto::Envelope,
+    ) -> RedactedEvent {
+        use crate::proto::envelope::Payload;
+        if matches!(envelope.payload, Some(Payload::WakeFinish(_)) | Some(Payload::SendConfirmed(_))) {
+            return self.redact(seq, log_time_ns, subject, stored);
+        }
+        let Some(content_bytes) = self.wire_content_bytes(&self.envelope, stored, 0) else {
+            return self.redact(seq, log_time_ns, subject, stored);
+        };
+        RedactedEvent {
+            seq,
+            log_time_ns,
+            subject: subject.to_owned(),
+            event_type: self.stored_event_type(stored).to_owned(),
+            event_id: envelope.event_id.clone(),
+            source: envelope.source.clone(),
+            occurred_at_ms: envelope.occurred_at_ms,
+            min_reader_version: envelope.min_reader_version,
+            event_bytes: stored.len() as u64,
+            content_bytes,
+            fields: Vec::new(),
+            fields_truncated: false,
+            outcome: None,
+        }
+    }
+
+    /// The content bytes of `message`'s encoding, walked on the wire with the schema: what
+    /// [`Redactor::redact`] counts for bytes a decode accepts, or `None` where the two could
+    /// differ (see [`Redactor::redact_counted`]). Unknown fields count nothing, as there.
+    fn wire_content_bytes(&self, message: &MessageDescriptor, mut buf: &[u8], depth: usize) -> Option<u64> {
+        use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
+        if depth >= REDACTED_DEPTH_MAX {
+            return None;
+        }
+        let mut total = 0u64;
+        // Fields that may appear once, and oneofs, seen so far (a message has few of each).
+        let mut singular_seen: Vec<u32> = Vec::new();
+        let mut oneofs_seen: Vec<String> = Vec::new();
+        while !buf.is_empty() {
+            let (number, wire_type) = decode_key(&mut buf).ok()?;
+            let Some(field) = message.get_field(number) else {
+                skip_field(wire_type, number, &mut buf, DecodeContext::default()).ok()?;
+                continue;
+            };
+            if !field.is_list() {
+                if singular_seen.contains(&number) {
+                    return None;
+                }
+                singular_seen.push(number);
+                if let Some(oneof) = field.containing_oneof() {
+                    if oneofs_seen.iter().any(|seen| seen == oneof.full_name()) {
+                        return None;
+                    }
+                    oneofs_seen.push(oneof.full_name().to_owned());
+                }
+            }
+            let delimited = matches!(field.kind(), Kind::String | Kind::Bytes | Kind::Message(_));
+            if !delimited {
+                skip_field(wire_type, number, &mut buf, DecodeContext::default()).ok()?;
+                continue;
+            }
+            if wire_type != WireType::LengthDelimited {
+                return None;
+            }
+            let len = usize::try_from(decode_varint(&mut buf).ok()?).ok()?;
+            if len > buf.len() {
+                return None;
+            }
+            let (value, rest) = buf.split_at(len);
+            buf = rest;
+            total += match field.kind() {
+                Kind::String if self.is_plain(&field) => 0,
+                Kind::String | Kind::Bytes => len as u64,
+                Kind::Message(inner) => self.wire_content_bytes(&inner, value, depth + 1)?,
+                _ => 0,
+            };
+        }
+        Some(total)
+    }
+
     fn payload_type(&self, envelope: &DynamicMessage) -> String {
         let payload = envelope
             .fields()

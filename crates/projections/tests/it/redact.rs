@@ -507,3 +507,42 @@ fn the_header_event_type_is_the_decoded_one() {
     assert_eq!(redactor.stored_event_type(&garbage), EVENT_TYPE_UNDECODABLE);
     assert_eq!(redactor.event_type(&garbage), EVENT_TYPE_UNDECODABLE);
 }
+
+/// The runner counts an event from the fold's decode of it (`Redactor::redact_counted`), not a
+/// second, dynamic decode: for every event kind with every field filled, that view has the
+/// type, sizes and envelope fields of the full view and gives the same counts. Finishes and
+/// confirmed sends, whose figures read fields, get the full view; so does an encoding a decode
+/// reads differently from a walk of its fields (two encodings of an envelope back to back: a
+/// decode merges them and keeps the later value of each field).
+#[test]
+fn the_counted_view_counts_what_the_full_view_counts() {
+    let redactor = Redactor::schema();
+    let mut events: Vec<(String, Vec<u8>)> =
+        every_event_kind().into_iter().map(|(kind, bytes, _, _)| (kind, bytes)).collect();
+    let long =
+        dm_from_human("anna", "D1", &ts(1), "a long text that the second encoding replaces").file("notes.txt", 9);
+    let short = dm_from_human("anna", "D1", &ts(1), "short");
+    events.push(("merged".into(), [long.encode_to_vec(), short.encode_to_vec()].concat()));
+    let (mut full_counts, mut counted_counts) =
+        (AnalyticsCounts::new(TimeBucket::Day), AnalyticsCounts::new(TimeBucket::Day));
+    for (seq, (kind, bytes)) in events.iter().enumerate() {
+        let envelope = Envelope::decode(&bytes[..]).expect("a filled event decodes");
+        let full = redactor.redact(seq as u64 + 1, 1_000, "subject", bytes);
+        let counted = redactor.redact_counted(seq as u64 + 1, 1_000, "subject", bytes, &envelope);
+        let sizes = |e: &RedactedEvent| {
+            (e.event_type.clone(), e.event_bytes, e.content_bytes, e.event_id.clone(), e.source.clone())
+        };
+        assert_eq!(sizes(&counted), sizes(&full), "{kind}");
+        assert_eq!(
+            (counted.occurred_at_ms, counted.min_reader_version, &counted.subject),
+            (full.occurred_at_ms, full.min_reader_version, &full.subject),
+            "{kind}"
+        );
+        let walked_on_the_wire = counted.fields.is_empty();
+        let expect_walk = !matches!(kind.as_str(), "wake_finish" | "send_confirmed" | "merged");
+        assert_eq!(walked_on_the_wire, expect_walk, "{kind}: counted from the fold's decode, or the full view");
+        full_counts.observe(&full);
+        counted_counts.observe(&counted);
+    }
+    assert_eq!(counted_counts, full_counts);
+}
