@@ -68,6 +68,77 @@ pub struct Redactor {
     plain: BTreeSet<String>,
     /// Field number of each payload variant of the envelope → its name (the event type).
     payload_names: BTreeMap<u32, String>,
+    /// Every message of the schema as the wire walk counts it ([`Redactor::redact_counted`]),
+    /// by position; the envelope's is `wire_envelope`.
+    wire: Vec<WireMessage>,
+    wire_envelope: usize,
+}
+
+/// A message of the schema as the wire walk counts it: its fields by number.
+#[derive(Clone, Debug)]
+struct WireMessage {
+    fields: Vec<(u32, WireField)>,
+    /// False for a message the walk leaves to the full view: one with a map field (a map's keys
+    /// count as content whatever their marking), or too many fields or oneofs to track.
+    walkable: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct WireField {
+    count: WireCount,
+    /// Repeated: may appear any number of times. Others may appear once.
+    repeated: bool,
+    /// Position of the oneof it is a member of, in its message.
+    oneof: Option<u8>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum WireCount {
+    /// Numbers, flags and enums: no content.
+    Nothing,
+    /// A string marked non-content.
+    Plain,
+    /// A content string or bytes: its length.
+    Content,
+    /// A message, by position in [`Redactor::wire`].
+    Message(usize),
+}
+
+/// Fields and oneofs of one message the walk can track (bits of a `u128` and a `u64`).
+const WIRE_FIELDS_MAX: usize = 128;
+const WIRE_ONEOFS_MAX: usize = 64;
+
+fn wire_messages(pool: &DescriptorPool, plain: &BTreeSet<String>) -> Vec<WireMessage> {
+    let messages: Vec<MessageDescriptor> = pool.all_messages().collect();
+    let position: BTreeMap<String, usize> =
+        messages.iter().enumerate().map(|(i, message)| (message.full_name().to_owned(), i)).collect();
+    messages
+        .iter()
+        .map(|message| {
+            let oneofs: Vec<String> = message.oneofs().map(|oneof| oneof.full_name().to_owned()).collect();
+            let mut fields: Vec<(u32, WireField)> = message
+                .fields()
+                .map(|field| {
+                    let count = match field.kind() {
+                        Kind::String if plain.contains(field.full_name()) => WireCount::Plain,
+                        Kind::String | Kind::Bytes => WireCount::Content,
+                        Kind::Message(inner) => WireCount::Message(position[inner.full_name()]),
+                        _ => WireCount::Nothing,
+                    };
+                    let oneof = field
+                        .containing_oneof()
+                        .and_then(|oneof| oneofs.iter().position(|name| name == oneof.full_name()))
+                        .and_then(|p| u8::try_from(p).ok());
+                    (field.number(), WireField { count, repeated: field.is_list(), oneof })
+                })
+                .collect();
+            fields.sort_by_key(|(number, _)| *number);
+            let walkable = fields.len() <= WIRE_FIELDS_MAX
+                && oneofs.len() <= WIRE_ONEOFS_MAX
+                && !message.fields().any(|field| field.is_map());
+            WireMessage { fields, walkable }
+        })
+        .collect()
 }
 
 /// One stored event without its content.
@@ -148,7 +219,12 @@ impl Redactor {
             .filter(|field| field.containing_oneof().is_some_and(|oneof| oneof.name() == PAYLOAD_ONEOF))
             .map(|field| (field.number(), field.name().to_owned()))
             .collect();
-        Ok(Redactor { envelope, plain, payload_names })
+        let wire = wire_messages(&pool, &plain);
+        let wire_envelope = pool
+            .all_messages()
+            .position(|message| message.full_name() == ENVELOPE_MESSAGE)
+            .ok_or(RedactionSchemaError::Missing("anima.v1.Envelope"))?;
+        Ok(Redactor { envelope, plain, payload_names, wire, wire_envelope })
     }
 
     /// The redactor of the schema this crate was built with.
@@ -222,7 +298,7 @@ impl Redactor {
         if matches!(envelope.payload, Some(Payload::WakeFinish(_)) | Some(Payload::SendConfirmed(_))) {
             return self.redact(seq, log_time_ns, subject, stored);
         }
-        let Some(content_bytes) = self.wire_content_bytes(&self.envelope, stored, 0) else {
+        let Some(content_bytes) = self.wire_content_bytes(self.wire_envelope, stored, 0) else {
             return self.redact(seq, log_time_ns, subject, stored);
         };
         RedactedEvent {
@@ -242,38 +318,40 @@ impl Redactor {
         }
     }
 
-    /// The content bytes of `message`'s encoding, walked on the wire with the schema: what
-    /// [`Redactor::redact`] counts for bytes a decode accepts, or `None` where the two could
-    /// differ (see [`Redactor::redact_counted`]). Unknown fields count nothing, as there.
-    fn wire_content_bytes(&self, message: &MessageDescriptor, mut buf: &[u8], depth: usize) -> Option<u64> {
+    /// The content bytes of the encoding of message `message` (a position in
+    /// [`Redactor::wire`]), walked on the wire: what [`Redactor::redact`] counts for bytes a
+    /// decode accepts, or `None` where the two could differ (see [`Redactor::redact_counted`]).
+    /// Unknown fields count nothing, as there.
+    fn wire_content_bytes(&self, message: usize, mut buf: &[u8], depth: usize) -> Option<u64> {
         use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
-        if depth >= REDACTED_DEPTH_MAX {
+        let plan = &self.wire[message];
+        if depth >= REDACTED_DEPTH_MAX || !plan.walkable {
             return None;
         }
         let mut total = 0u64;
-        // Fields that may appear once, and oneofs, seen so far (a message has few of each).
-        let mut singular_seen: Vec<u32> = Vec::new();
-        let mut oneofs_seen: Vec<String> = Vec::new();
+        let (mut fields_seen, mut oneofs_seen) = (0u128, 0u64);
         while !buf.is_empty() {
             let (number, wire_type) = decode_key(&mut buf).ok()?;
-            let Some(field) = message.get_field(number) else {
+            let Ok(position) = plan.fields.binary_search_by_key(&number, |(number, _)| *number) else {
                 skip_field(wire_type, number, &mut buf, DecodeContext::default()).ok()?;
                 continue;
             };
-            if !field.is_list() {
-                if singular_seen.contains(&number) {
+            let field = plan.fields[position].1;
+            if !field.repeated {
+                let bit = 1u128 << position;
+                if fields_seen & bit != 0 {
                     return None;
                 }
-                singular_seen.push(number);
-                if let Some(oneof) = field.containing_oneof() {
-                    if oneofs_seen.iter().any(|seen| seen == oneof.full_name()) {
+                fields_seen |= bit;
+                if let Some(oneof) = field.oneof {
+                    let bit = 1u64 << oneof;
+                    if oneofs_seen & bit != 0 {
                         return None;
                     }
-                    oneofs_seen.push(oneof.full_name().to_owned());
+                    oneofs_seen |= bit;
                 }
             }
-            let delimited = matches!(field.kind(), Kind::String | Kind::Bytes | Kind::Message(_));
-            if !delimited {
+            if matches!(field.count, WireCount::Nothing) {
                 skip_field(wire_type, number, &mut buf, DecodeContext::default()).ok()?;
                 continue;
             }
@@ -286,11 +364,10 @@ impl Redactor {
             }
             let (value, rest) = buf.split_at(len);
             buf = rest;
-            total += match field.kind() {
-                Kind::String if self.is_plain(&field) => 0,
-                Kind::String | Kind::Bytes => len as u64,
-                Kind::Message(inner) => self.wire_content_bytes(&inner, value, depth + 1)?,
-                _ => 0,
+            total += match field.count {
+                WireCount::Nothing | WireCount::Plain => 0,
+                WireCount::Content => len as u64,
+                WireCount::Message(inner) => self.wire_content_bytes(inner, value, depth + 1)?,
             };
         }
         Some(total)
