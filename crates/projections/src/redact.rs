@@ -284,8 +284,8 @@ impl Redactor {
     /// event types whose figures read fields (a finish's reported outcome, a confirmed send's
     /// target), which get the full [`Redactor::redact`]; so does an encoding the wire walk
     /// does not judge the way a decode would (a field that may appear once appearing twice,
-    /// two members of a oneof, nesting past [`REDACTED_DEPTH_MAX`]). Counting the full view and
-    /// this one gives the same counts.
+    /// two members of a oneof, a map, nesting past [`REDACTED_DEPTH_MAX`]). Counting the full
+    /// view and this one gives the same counts.
     pub fn redact_counted(
         &self,
         seq: u64,
