@@ -263,7 +263,11 @@ impl Redactor {
             match self.payload_names.get(&number) {
                 // A oneof's last variant on the wire wins, as in a full decode.
                 Some(name) => found = Some(name.as_str()),
-                None => unknown |= self.envelope.get_field(number).is_none(),
+                // The wire plan's fields by number: no descriptor is built per field.
+                None => {
+                    let envelope_fields = &self.wire[self.wire_envelope].fields;
+                    unknown |= envelope_fields.binary_search_by_key(&number, |(number, _)| *number).is_err();
+                }
             }
             let skipped =
                 prost::encoding::skip_field(wire_type, number, &mut buf, prost::encoding::DecodeContext::default());

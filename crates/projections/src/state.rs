@@ -307,12 +307,12 @@ macro_rules! state_tables {
                 )*
                 // Verdicts in pages of their window's slots (seq modulo the window): the newest
                 // takes the slot of the one it pushes out, and a page is written whole.
-                let pages: Vec<_> = self
-                    .verdicts
-                    .drain_changed_pages()
-                    .into_iter()
-                    .map(|page| (page, self.verdicts.page(page).into_iter().map(|(seq, kept)| (seq, VerdictBytes(kept))).collect::<Vec<_>>()))
-                    .collect();
+                let mut pages = Vec::new();
+                for page in self.verdicts.drain_changed_pages() {
+                    let entries: Vec<_> =
+                        self.verdicts.page(page).into_iter().map(|(seq, kept)| (seq, VerdictBytes(kept))).collect();
+                    pages.push((page, entries));
+                }
                 changes.push(crate::changes::Paged { tag: VERDICTS_TAG, pages });
                 // A queue: its header, and each item that changed under its own key.
                 let mut queues = QueueChanges::default();
@@ -542,7 +542,8 @@ impl Serialize for VerdictBytes {
         <[u8]>::serialize(&self.0.encoded(), serializer)
     }
 }
-/// Verdicts: page of slots (seq modulo the window, [`crate::verdict_window::VERDICTS_PER_PAGE`] slots a page) → the
+/// Verdicts: page of slots (seq modulo the window,
+/// [`crate::verdict_window::VERDICTS_PER_PAGE`] slots a page) → the
 /// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
 const QUEUE_ITEMS_TAG: u8 = 27;

@@ -89,8 +89,7 @@ impl VerdictWindow {
     /// Every kept verdict, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &KeptVerdict)> + '_ {
         let first = self.newest.saturating_sub(WINDOW - 1).max(1);
-        let seqs = if self.slots.is_empty() { 1..1 } else { first..self.newest + 1 };
-        seqs.filter_map(move |seq| self.get(seq).map(|verdict| (seq, verdict)))
+        (first..=self.newest).filter_map(move |seq| self.get(seq).map(|verdict| (seq, verdict)))
     }
 
     /// The kept verdicts of a checkpoint page, oldest first.
