@@ -284,12 +284,12 @@ impl Redactor {
 
     /// The redacted view as the maintained analytics count it (type, sizes, envelope fields),
     /// for an event the fold decoded as `envelope`: without a dynamic decode of it, which was
-    /// most of the runner's work per event. Its `fields` are left empty, except for the two
-    /// event types whose figures read fields (a finish's reported outcome, a confirmed send's
-    /// target), which get the full [`Redactor::redact`]; so does an encoding the wire walk
-    /// does not judge the way a decode would (a field that may appear once appearing twice,
-    /// two members of a oneof, a map, nesting past [`REDACTED_DEPTH_MAX`]). Counting the full
-    /// view and this one gives the same counts.
+    /// most of the runner's work per event. Its `fields` are exactly the [`FIGURE_FIELDS`] of
+    /// its type that are set, taken from the typed decode, in the full view's order. An
+    /// encoding the wire walk does not judge the way a decode would (a field that may appear
+    /// once appearing twice, two members of a oneof, a map, nesting past
+    /// [`REDACTED_DEPTH_MAX`]) gets the full [`Redactor::redact`]. Counting the full view and
+    /// this one gives the same counts.
     pub fn redact_counted(
         &self,
         seq: u64,
@@ -298,10 +298,6 @@ impl Redactor {
         stored: &[u8],
         envelope: &crate::proto::Envelope,
     ) -> RedactedEvent {
-        use crate::proto::envelope::Payload;
-        if matches!(envelope.payload, Some(Payload::WakeFinish(_)) | Some(Payload::SendConfirmed(_))) {
-            return self.redact(seq, log_time_ns, subject, stored);
-        }
         let Some(content_bytes) = self.wire_content_bytes(self.wire_envelope, stored, 0) else {
             return self.redact(seq, log_time_ns, subject, stored);
         };
@@ -316,7 +312,7 @@ impl Redactor {
             min_reader_version: envelope.min_reader_version,
             event_bytes: stored.len() as u64,
             content_bytes,
-            fields: Vec::new(),
+            fields: figure_fields(envelope),
             fields_truncated: false,
             outcome: None,
         }
@@ -727,6 +723,43 @@ pub struct TypeCounts {
     pub content_bytes: u64,
 }
 
+/// The fields [`Figures::observe`] reads, by event type and path: a finish's reported outcome,
+/// a confirmed send's Slack target. The counted view ([`Redactor::redact_counted`]) carries
+/// exactly these (from [`figure_fields`]); the figures read no other field (checked in debug
+/// builds), so both views give the same figures.
+pub const FIGURE_FIELDS: &[(&str, &str)] = &[
+    ("wake_finish", "outcome"),
+    ("send_confirmed", "target.slack.channel_id"),
+    ("send_confirmed", "target.slack.thread_ts"),
+];
+
+/// The [`FIGURE_FIELDS`] of `envelope` that are set, as the full view names and orders them
+/// (a set field of proto3: an enum not zero, a string not empty).
+pub fn figure_fields(envelope: &crate::proto::Envelope) -> Vec<RedactedField> {
+    use crate::proto::{envelope::Payload, reply_target::Target, WakeOutcome};
+    let field = |path: &str, value: RedactedValue| RedactedField { path: path.to_owned(), value };
+    match &envelope.payload {
+        Some(Payload::WakeFinish(finish)) if finish.outcome != 0 => {
+            let name = match WakeOutcome::try_from(finish.outcome) {
+                Ok(outcome) => outcome.as_str_name().to_owned(),
+                Err(_) => finish.outcome.to_string(),
+            };
+            vec![field("outcome", RedactedValue::Enum(name))]
+        }
+        Some(Payload::SendConfirmed(confirmed)) => {
+            let Some(Target::Slack(slack)) = confirmed.target.as_ref().and_then(|t| t.target.as_ref()) else {
+                return Vec::new();
+            };
+            [("target.slack.channel_id", &slack.channel_id), ("target.slack.thread_ts", &slack.thread_ts)]
+                .into_iter()
+                .filter(|(_, id)| !id.is_empty())
+                .map(|(path, id)| field(path, RedactedValue::Id(id.clone())))
+                .collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// The derived figures of a set of redacted events with outcomes.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Figures {
@@ -789,7 +822,7 @@ impl Figures {
             "memory_pass_queued" => self.memory_passes_queued += 1,
             "requeued" => *self.finishes_by_outcome.entry("requeued".to_owned()).or_default() += 1,
             "finished" => {
-                let reported = match event.field("outcome") {
+                let reported = match figure_field(event, "outcome") {
                     Some(RedactedValue::Enum(name)) => name.trim_start_matches("WAKE_OUTCOME_").to_ascii_lowercase(),
                     _ => "unspecified".to_owned(),
                 };
@@ -817,14 +850,28 @@ impl Figures {
         self.failure_notices_owed += u64::from(outcome.is_some_and(|o| o.failure_notice_owed));
         self.failure_notices_settled += outcome.map_or(0, |o| o.failure_notices_settled);
         let confirmed_post = event.event_type == "send_confirmed" && (outcome.is_none() || kind == "journaled");
-        if confirmed_post && event.id("target.slack.channel_id").is_some_and(|c| c.starts_with('D')) {
-            if event.id("target.slack.thread_ts").is_some_and(|t| !t.trim().is_empty()) {
+        let id = |path| match figure_field(event, path) {
+            Some(RedactedValue::Id(id)) => Some(id.as_str()),
+            _ => None,
+        };
+        if confirmed_post && id("target.slack.channel_id").is_some_and(|c| c.starts_with('D')) {
+            if id("target.slack.thread_ts").is_some_and(|t| !t.trim().is_empty()) {
                 self.dm_replies_threaded += 1;
             } else {
                 self.dm_replies_top_level += 1;
             }
         }
     }
+}
+
+/// A field the figures read; only [`FIGURE_FIELDS`] may be (the counted view carries no other).
+fn figure_field<'a>(event: &'a RedactedEvent, path: &str) -> Option<&'a RedactedValue> {
+    debug_assert!(
+        FIGURE_FIELDS.contains(&(event.event_type.as_str(), path)),
+        "the figures read {path} of {}, which is not in FIGURE_FIELDS",
+        event.event_type
+    );
+    event.field(path)
 }
 
 /// Counts of one time bucket.

@@ -6,7 +6,7 @@
 use anima_projections::proto::{self, envelope::Payload, Envelope, EVENTS_DESCRIPTOR_SET};
 use anima_projections::redact::{
     AnalyticsCounts, RedactedEvent, RedactedOutcome, RedactedValue, Redactor, TimeBucket, EVENT_TYPE_UNDECODABLE,
-    EVENT_TYPE_UNKNOWN, PAYLOAD_ONEOF,
+    EVENT_TYPE_UNKNOWN, FIGURE_FIELDS, PAYLOAD_ONEOF,
 };
 use expect_test::{expect, Expect};
 use prost::Message;
@@ -508,12 +508,12 @@ fn the_header_event_type_is_the_decoded_one() {
     assert_eq!(redactor.event_type(&garbage), EVENT_TYPE_UNDECODABLE);
 }
 
-/// The runner counts an event from the fold's decode of it (`Redactor::redact_counted`), not a
-/// second, dynamic decode: for every event kind with every field filled, that view has the
-/// type, sizes and envelope fields of the full view and gives the same counts. Finishes and
-/// confirmed sends, whose figures read fields, get the full view; so does an encoding a decode
-/// reads differently from a walk of its fields (two encodings of an envelope back to back: a
-/// decode merges them and keeps the later value of each field).
+/// The view the runner counts, built from the fold's decode and a walk of the wire, has the
+/// type, sizes and envelope fields of the full view, carries the full view's fields the figures
+/// read (a finish's outcome, a confirmed send's Slack target) and no other, and gives the same
+/// counts and figures. An encoding a decode reads differently from a walk of its fields (two
+/// encodings of an envelope back to back: a decode merges them and keeps the later value of
+/// each field) gets the full view.
 #[test]
 fn the_counted_view_counts_what_the_full_view_counts() {
     let redactor = Redactor::schema();
@@ -523,12 +523,35 @@ fn the_counted_view_counts_what_the_full_view_counts() {
         dm_from_human("anna", "D1", &ts(1), "a long text that the second encoding replaces").file("notes.txt", 9);
     let short = dm_from_human("anna", "D1", &ts(1), "short");
     events.push(("merged".into(), [long.encode_to_vec(), short.encode_to_vec()].concat()));
+    let outcomes = [
+        proto::WakeOutcome::Unspecified,
+        proto::WakeOutcome::Completed,
+        proto::WakeOutcome::Failed,
+        proto::WakeOutcome::Aborted,
+    ];
+    for outcome in outcomes {
+        events.push(("wake_finish".into(), finish("ada", "w1", outcome).encode_to_vec()));
+    }
+    let mut newer_outcome = finish("ada", "w1", proto::WakeOutcome::Completed);
+    if let Some(Payload::WakeFinish(f)) = newer_outcome.payload.as_mut() {
+        f.outcome = 99;
+    }
+    events.push(("wake_finish".into(), newer_outcome.encode_to_vec()));
+    for (channel, thread) in [("D1", ""), ("D1", "1700000000.000100"), ("C1", ""), ("D2", " ")] {
+        let mut post = confirmed("ada", channel, &ts(2), "my post");
+        if let Some(Payload::SendConfirmed(c)) = post.payload.as_mut() {
+            if let Some(proto::reply_target::Target::Slack(slack)) = c.target.as_mut().and_then(|t| t.target.as_mut()) {
+                slack.thread_ts = thread.to_owned();
+            }
+        }
+        events.push(("send_confirmed".into(), post.encode_to_vec()));
+    }
     let (mut full_counts, mut counted_counts) =
         (AnalyticsCounts::new(TimeBucket::Day), AnalyticsCounts::new(TimeBucket::Day));
     for (seq, (kind, bytes)) in events.iter().enumerate() {
         let envelope = Envelope::decode(&bytes[..]).expect("a filled event decodes");
-        let full = redactor.redact(seq as u64 + 1, 1_000, "subject", bytes);
-        let counted = redactor.redact_counted(seq as u64 + 1, 1_000, "subject", bytes, &envelope);
+        let mut full = redactor.redact(seq as u64 + 1, 1_000, "subject", bytes);
+        let mut counted = redactor.redact_counted(seq as u64 + 1, 1_000, "subject", bytes, &envelope);
         let sizes = |e: &RedactedEvent| {
             (e.event_type.clone(), e.event_bytes, e.content_bytes, e.event_id.clone(), e.source.clone())
         };
@@ -538,11 +561,27 @@ fn the_counted_view_counts_what_the_full_view_counts() {
             (full.occurred_at_ms, full.min_reader_version, &full.subject),
             "{kind}"
         );
-        let walked_on_the_wire = counted.fields.is_empty();
-        let expect_walk = !matches!(kind.as_str(), "wake_finish" | "send_confirmed" | "merged");
-        assert_eq!(walked_on_the_wire, expect_walk, "{kind}: counted from the fold's decode, or the full view");
+        let read_by_the_figures: Vec<_> = full
+            .fields
+            .iter()
+            .filter(|f| FIGURE_FIELDS.contains(&(full.event_type.as_str(), f.path.as_str())))
+            .cloned()
+            .collect();
+        if kind == "merged" {
+            assert_eq!(counted.fields, full.fields, "{kind}: the full view");
+        } else {
+            assert_eq!(counted.fields, read_by_the_figures, "{kind}: the fields the figures read, and no other");
+        }
+        // The figures of a finish and of a confirmed post read fields; give them the outcomes
+        // the fold gives them.
+        let outcome =
+            (kind == "wake_finish").then(|| RedactedOutcome { kind: "finished".into(), ..Default::default() });
+        (full.outcome, counted.outcome) = (outcome.clone(), outcome);
         full_counts.observe(&full);
         counted_counts.observe(&counted);
     }
+    let figures = &full_counts.total;
+    assert_eq!(figures.finishes_by_outcome.values().sum::<u64>(), 6, "{figures:?}");
+    assert_eq!((figures.dm_replies_threaded, figures.dm_replies_top_level), (1, 2), "{figures:?}");
     assert_eq!(counted_counts, full_counts);
 }
