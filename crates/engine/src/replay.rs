@@ -36,7 +36,7 @@ use futures::stream::{self, BoxStream, StreamExt};
 use prost::Message;
 use sha2::{Digest, Sha256};
 
-use crate::checkpoint::{FOLD_VERSION_KEY, STATE_PREFIX, STREAM_KEY};
+use crate::checkpoint::{FOLD_VERSION_KEY, STREAM_KEY};
 use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
 use crate::log::{EventLog, LogError, StoredRecord, SubjectFilter};
@@ -1063,10 +1063,10 @@ impl DirectSource {
             )));
         }
         let mut checkpoint: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        for entry in tree.scan_prefix([STATE_PREFIX]) {
-            let (key, value) = entry.map_err(sled_error)?;
-            checkpoint.insert(key[1..].to_vec(), value.to_vec());
-        }
+        // Entry by entry, as the state wrote them (slot pages given back one entry each).
+        let stored = crate::checkpoint::state_scan(&tree, &[])
+            .map_err(|e| ReplayError::Source(format!("reading checkpoint tree {tree_name}: {e}")))?;
+        checkpoint.extend(stored);
         let mut checkpointed = State::new();
         for (key, value) in &checkpoint {
             if let Err(e) = checkpointed.load_entry(key, value) {

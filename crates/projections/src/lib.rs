@@ -23,6 +23,7 @@ pub mod redact;
 pub mod render;
 pub mod row;
 pub mod send_hold;
+pub mod slot_page;
 pub mod state;
 pub mod subscription;
 pub mod surface;

@@ -19,9 +19,10 @@ use crate::table::Table;
 use crate::verdict::Verdict;
 use crate::wake::{AgentQueue, WakeItem};
 
-/// Version of the fold: state layout and decision rules. A checkpoint taken by another version
-/// is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 15;
+/// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
+/// [`crate::slot_page`]) and decision rules. A checkpoint taken by another version is discarded
+/// and state is rebuilt from the log.
+pub const FOLD_VERSION: u32 = 16;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -427,7 +428,7 @@ macro_rules! state_tables {
             /// Whether entries of the table with this checkpoint tag may stay in the store when
             /// a checkpoint is restored (they are read back when needed).
             pub fn is_cold_tag(tag: u8) -> bool {
-                [$($ctag,)* QUEUE_ITEMS_TAG].contains(&tag)
+                [$($ctag,)* QUEUE_ITEMS_TAG].contains(&tag) || crate::slot_page::is_page_tag(tag)
             }
 
             /// Backs the cold tables with `cold`. `restored`: the state was restored from a
@@ -546,7 +547,7 @@ impl Serialize for VerdictBytes {
 /// [`crate::verdict_window::VERDICTS_PER_PAGE`] slots a page) → the
 /// (seq, encoded verdict) pairs of the page's slots.
 const VERDICTS_TAG: u8 = 10;
-const QUEUE_ITEMS_TAG: u8 = 27;
+pub(crate) const QUEUE_ITEMS_TAG: u8 = 27;
 pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
 pub(crate) const SETTLED_IDS_TAG: u8 = 33;
