@@ -465,7 +465,8 @@ async fn write_checkpoint(
     durable: bool,
 ) -> Result<(), RunnerError> {
     let started = Instant::now();
-    let changes = tokio::task::spawn_blocking(move || changes.encode())
+    let changes = checkpoints
+        .background(move || changes.encode())
         .await
         .map_err(|e| RunnerError::Checkpoint(format!("checkpoint encoding task: {e}")))?;
     let encode_ms = started.elapsed().as_secs_f64() * 1e3;
