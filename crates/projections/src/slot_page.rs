@@ -25,26 +25,33 @@ pub const SLOTS_PER_PAGE: u64 = 64;
 /// Set in an entry tag to make the tag of its pages (no state tag has it set).
 pub const PAGE_TAG_BIT: u8 = 0x40;
 
-/// How a key component is encoded (postcard, as [`crate::state::tagged`] writes keys).
+/// How a paged table's owner is encoded (postcard, as [`crate::state::tagged`] writes keys).
 #[derive(Clone, Copy)]
-enum Codec {
-    /// A LEB128 varint (an interned key, a slot number).
+enum Owner {
+    /// A varint (an interned surface or agent key).
     Varint,
-    /// A varint length and that many bytes (a string).
+    /// A varint length and that many bytes (an agent id).
     Str,
-    /// Eight bytes, big-endian (a slot as `u64::to_be_bytes`).
+}
+
+/// How a paged table's slot is encoded.
+#[derive(Clone, Copy)]
+enum Slot {
+    /// A varint.
+    Varint,
+    /// Eight bytes, big-endian (`u64::to_be_bytes`).
     BigEndian,
 }
 
 /// The paged tables: entry tag, owner encoding, slot encoding.
-const PAGED: [(u8, Codec, Codec); 4] = [
-    (crate::state::IDENTITY_ORDER_TAG, Codec::Varint, Codec::Varint),
-    (crate::journal::JOURNAL_ROWS_TAG, Codec::Varint, Codec::Varint),
-    (crate::state::SETTLED_ORDER_TAG, Codec::Varint, Codec::Varint),
-    (crate::state::QUEUE_ITEMS_TAG, Codec::Str, Codec::BigEndian),
+const PAGED: [(u8, Owner, Slot); 4] = [
+    (crate::state::IDENTITY_ORDER_TAG, Owner::Varint, Slot::Varint),
+    (crate::journal::JOURNAL_ROWS_TAG, Owner::Varint, Slot::Varint),
+    (crate::state::SETTLED_ORDER_TAG, Owner::Varint, Slot::Varint),
+    (crate::state::QUEUE_ITEMS_TAG, Owner::Str, Slot::BigEndian),
 ];
 
-fn paged_table(entry_tag: u8) -> Option<(Codec, Codec)> {
+fn paged_table(entry_tag: u8) -> Option<(Owner, Slot)> {
     PAGED.iter().find(|(tag, _, _)| *tag == entry_tag).map(|&(_, owner, slot)| (owner, slot))
 }
 
@@ -60,50 +67,36 @@ pub struct PagedKey {
     pub index: u8,
 }
 
+/// The varint at the start of `bytes` and its length (prost's LEB128, as postcard writes it).
 fn varint(bytes: &[u8]) -> Option<(u64, usize)> {
-    let mut value = 0u64;
-    for (i, byte) in bytes.iter().enumerate().take(10) {
-        value |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some((value, i + 1));
-        }
-    }
-    None
+    let mut rest = bytes;
+    let value = prost::encoding::decode_varint(&mut rest).ok()?;
+    Some((value, bytes.len() - rest.len()))
 }
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
-}
-
-/// The length of the component at the start of `bytes`, if it is complete.
-fn component_len(codec: Codec, bytes: &[u8]) -> Option<usize> {
-    match codec {
-        Codec::Varint => varint(bytes).map(|(_, n)| n),
-        Codec::Str => {
+/// The length of the owner at the start of `bytes`, if it is complete.
+fn owner_len(owner: Owner, bytes: &[u8]) -> Option<usize> {
+    match owner {
+        Owner::Varint => varint(bytes).map(|(_, n)| n),
+        Owner::Str => {
             let (len, n) = varint(bytes)?;
             let end = n.checked_add(usize::try_from(len).ok()?)?;
             (end <= bytes.len()).then_some(end)
         }
-        Codec::BigEndian => (bytes.len() >= 8).then_some(8),
     }
 }
 
-fn decode_slot(codec: Codec, bytes: &[u8]) -> Option<u64> {
-    match codec {
-        Codec::Varint => varint(bytes).filter(|(_, n)| *n == bytes.len()).map(|(v, _)| v),
-        Codec::BigEndian => bytes.try_into().ok().map(u64::from_be_bytes),
-        Codec::Str => None,
+fn decode_slot(slot: Slot, bytes: &[u8]) -> Option<u64> {
+    match slot {
+        Slot::Varint => varint(bytes).filter(|(_, n)| *n == bytes.len()).map(|(v, _)| v),
+        Slot::BigEndian => bytes.try_into().ok().map(u64::from_be_bytes),
     }
 }
 
-fn encode_slot(codec: Codec, out: &mut Vec<u8>, slot: u64) {
-    match codec {
-        Codec::BigEndian => out.extend_from_slice(&slot.to_be_bytes()),
-        _ => put_varint(out, slot),
+fn encode_slot(slot: Slot, out: &mut Vec<u8>, value: u64) {
+    match slot {
+        Slot::BigEndian => out.extend_from_slice(&value.to_be_bytes()),
+        Slot::Varint => prost::encoding::encode_varint(value, out),
     }
 }
 
@@ -113,7 +106,7 @@ fn encode_slot(codec: Codec, out: &mut Vec<u8>, slot: u64) {
 pub fn paged_key(key: &[u8]) -> Option<PagedKey> {
     let (&tag, rest) = key.split_first()?;
     let (owner_codec, slot_codec) = paged_table(tag)?;
-    let owner_len = component_len(owner_codec, rest)?;
+    let owner_len = owner_len(owner_codec, rest)?;
     let slot = decode_slot(slot_codec, &rest[owner_len..])?;
     let mut page_key = Vec::with_capacity(1 + owner_len + 8);
     page_key.push(tag | PAGE_TAG_BIT);
@@ -131,7 +124,7 @@ pub fn page_scan_prefixes(prefix: &[u8]) -> Vec<Vec<u8>> {
     };
     let Some((owner_codec, _)) = paged_table(tag) else { return Vec::new() };
     let mut page_prefix = vec![tag | PAGE_TAG_BIT];
-    if let Some(owner_len) = component_len(owner_codec, rest) {
+    if let Some(owner_len) = owner_len(owner_codec, rest) {
         page_prefix.extend_from_slice(&rest[..owner_len]);
     }
     vec![page_prefix]
@@ -181,7 +174,7 @@ pub fn page_apply(old: Option<&[u8]>, changes: &[(u8, Option<&[u8]>)]) -> Result
     for (index, value) in slots.iter().enumerate() {
         if let Some(value) = value {
             out.push(index as u8);
-            put_varint(&mut out, value.len() as u64);
+            prost::encoding::encode_varint(value.len() as u64, &mut out);
             out.extend_from_slice(value);
         }
     }
