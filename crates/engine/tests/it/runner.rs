@@ -555,6 +555,6 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
         assert!(scanned == expected, "the scan of {prefix:?} gives back the entries written, in key order");
     }
     let tree = db.open_tree("checkpoint").expect("tree");
-    assert!(tree.len() * 8 < model.len(), "{} stored entries for {} state entries", tree.len(), model.len());
+    assert!(tree.len() * 4 < model.len(), "{} stored entries for {} state entries", tree.len(), model.len());
     drop(db);
 }
