@@ -18,7 +18,7 @@
 //! anywhere in it (a claim takes a surface's items), so a checkpoint's changes to a queue are
 //! scattered over its pages. With 64 slots, a count of one 30 s `anima-load` run's
 //! checkpoints gave 3.6 MB of page and entry bytes per checkpoint (queued items 1.6 MB in 174
-//! pages of 9.1 KB, rows 1.3 MB in 373 pages of 3.4 KB); with 16, 1.8 MB for 6% more writes,
+//! pages of 9.1 KB, rows 1.3 MB in 373 pages of 3.4 KB); with 16, 1.8 MB for 8% more writes,
 //! and the engine's writes to its files fell by a quarter (see README, "Figures").
 //!
 //! A page's key is its own tag (the entry tag with [`PAGE_TAG_BIT`] set), the owner's bytes as

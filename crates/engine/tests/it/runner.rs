@@ -123,6 +123,13 @@ fn open(dir: &std::path::Path) -> (Arc<dyn EventLog>, sled::Db) {
     (log, db)
 }
 
+/// The checkpoint store of `db`, restored as a runner's start restores it (taking its epoch).
+async fn restored_store(db: &sled::Db, identity: &str) -> CheckpointStore {
+    let store = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    store.restore(identity).await.expect("restore");
+    store
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resumes_from_its_checkpoint_with_the_state_a_rebuild_gives() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -237,11 +244,9 @@ async fn a_replaced_runner_cannot_write_over_its_successor() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     let identity = log.identity();
-    let old = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
-    old.restore(&identity).await.expect("restore");
+    let old = restored_store(&db, &identity).await;
     old.write(&identity, vec![], vec![], true).await.expect("the owner writes");
-    let new = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
-    new.restore(&identity).await.expect("restore");
+    let new = restored_store(&db, &identity).await;
     let seq_before = new.checkpointed_seq().expect("seq");
     let refused = old.write(&identity, vec![(vec![0], Some(vec![1, 2, 3]))], vec![], true).await;
     assert!(matches!(refused, Err(CheckpointError::Superseded { .. })), "{refused:?}");
@@ -496,8 +501,7 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     let identity = log.identity();
-    let store = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
-    store.restore(&identity).await.expect("restore");
+    let store = restored_store(&db, &identity).await;
     // Journal rows (tag 26: interned surface, varint slot) and queued items (tag 27: agent id,
     // big-endian slot) are paged; subscriptions (tag 11) are stored as themselves.
     let row = |surface: u32, slot: u64| [vec![26], postcard::to_stdvec(&(surface, slot)).unwrap()].concat();
