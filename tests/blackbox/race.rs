@@ -65,6 +65,37 @@ pub struct SendHoldAudit {
     pub send_seqs: BTreeMap<String, Vec<u64>>,
 }
 
+/// How long the checker keeps asking a log that does not answer. Right after stream-leader kills
+/// a 3-node cluster may still be electing (a consumer's creation then times out, as a CI run
+/// saw); the checker asks again, as any client would, and fails only if the log stays
+/// unreadable this long.
+const READ_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Every record of the log, from seq 1 to its last, read again whole while the log is not
+/// answering (for up to [`READ_RETRY_FOR`]).
+async fn read_whole_log(log: &JetStreamLog) -> Vec<anima_engine::log::StoredRecord> {
+    let deadline = std::time::Instant::now() + READ_RETRY_FOR;
+    loop {
+        let attempt = async {
+            let last = log.last_seq().await?;
+            let records: Vec<_> = log.read(1, last, None).await?.collect().await;
+            let records = records.into_iter().collect::<Result<Vec<_>, _>>()?;
+            Ok::<_, anima_engine::log::LogError>((last, records))
+        };
+        match attempt.await {
+            Ok((last, records)) => {
+                assert_eq!(records.len() as u64, last, "the read ends at the last seq");
+                return records;
+            }
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("the checker's read of the log failed ({e}); asking again");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("the log stayed unreadable for {READ_RETRY_FOR:?}: {e}"),
+        }
+    }
+}
+
 /// Reads the whole log at `nats_url` and replays the send-hold rule on its own model of ada's
 /// [`RACE_DM`] journal: her cursor starts at the wake start at `started_at_seq`, and every send
 /// (allowed or held: a held send shows the rows) moves it to the journal's end. A send is unsafe
@@ -74,15 +105,12 @@ pub async fn audit_send_hold(nats_url: &str, started_at_seq: u64, verdicts: &BTr
     let log = JetStreamLog::connect(JetStreamConfig { url: nats_url.to_owned(), ..JetStreamConfig::default() })
         .await
         .expect("connect");
-    let last = log.last_seq().await.expect("last seq");
-    let records: Vec<_> = log.read(1, last, None).await.expect("read").collect().await;
-    assert_eq!(records.len() as u64, last, "the read ends at the last seq");
+    let records = read_whole_log(&log).await;
     let mut audit = SendHoldAudit::default();
     let mut rows: Vec<bool> = Vec::new(); // row ordinal - 1 → is foreign to ada
     let mut seen_ts = BTreeSet::new();
     let mut cursor: Option<usize> = None;
     for record in records {
-        let record = record.expect("record");
         let envelope = events::Envelope::decode(record.payload.as_ref()).expect("decode");
         match envelope.payload {
             Some(Payload::SlackMessage(m)) if m.channel_id == RACE_DM => {
