@@ -7,8 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
-use anima_engine::log::EventLog;
-use anima_engine::testing::NatsServer;
+use anima_engine::log::{EventLog, LogError, StoredRecord};
+use anima_engine::testing::{poll_until, NatsServer};
 use anima_gateway::api;
 use anima_projections::proto::{self as events, envelope::Payload};
 use futures::StreamExt;
@@ -65,35 +65,30 @@ pub struct SendHoldAudit {
     pub send_seqs: BTreeMap<String, Vec<u64>>,
 }
 
-/// How long the checker keeps asking a log that does not answer. Right after stream-leader kills
-/// a 3-node cluster may still be electing (a consumer's creation then times out, as a CI run
-/// saw); the checker asks again, as any client would, and fails only if the log stays
-/// unreadable this long.
-const READ_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// Every record of the log, from seq 1 to its last, read again whole while the log is not
-/// answering (for up to [`READ_RETRY_FOR`]).
-async fn read_whole_log(log: &JetStreamLog) -> Vec<anima_engine::log::StoredRecord> {
-    let deadline = std::time::Instant::now() + READ_RETRY_FOR;
-    loop {
+/// Every record of the log, from seq 1 to its last. Right after stream-leader kills a 3-node
+/// cluster may still be electing (a CI run saw a consumer's creation time out): while the log
+/// says it is unavailable (retry, by its contract) the checker asks again, as any client would,
+/// for up to `anima_engine::testing::CLUSTER_STEP_DEADLINE`; any other error fails the test.
+async fn read_whole_log(log: &JetStreamLog) -> Vec<StoredRecord> {
+    poll_until("the checker's read of the whole log", || async move {
         let attempt = async {
             let last = log.last_seq().await?;
             let records: Vec<_> = log.read(1, last, None).await?.collect().await;
-            let records = records.into_iter().collect::<Result<Vec<_>, _>>()?;
-            Ok::<_, anima_engine::log::LogError>((last, records))
+            Ok::<_, LogError>((last, records.into_iter().collect::<Result<Vec<_>, _>>()?))
         };
         match attempt.await {
             Ok((last, records)) => {
                 assert_eq!(records.len() as u64, last, "the read ends at the last seq");
-                return records;
+                Some(records)
             }
-            Err(e) if std::time::Instant::now() < deadline => {
-                eprintln!("the checker's read of the log failed ({e}); asking again");
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            Err(LogError::Unavailable(reason)) => {
+                eprintln!("the checker's read of the log: unavailable ({reason}); asking again");
+                None
             }
-            Err(e) => panic!("the log stayed unreadable for {READ_RETRY_FOR:?}: {e}"),
+            Err(e) => panic!("the checker's read of the log: {e}"),
         }
-    }
+    })
+    .await
 }
 
 /// Reads the whole log at `nats_url` and replays the send-hold rule on its own model of ada's

@@ -20,8 +20,8 @@ use crate::verdict::Verdict;
 use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
-/// [`crate::slot_page`]; 17: 16 slots to a page instead of 64) and decision rules. A checkpoint taken by another version is discarded
-/// and state is rebuilt from the log.
+/// [`crate::slot_page`]; 17: 16 slots to a page instead of 64) and decision rules. A checkpoint
+/// taken by another version is discarded and state is rebuilt from the log.
 pub const FOLD_VERSION: u32 = 17;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
