@@ -171,6 +171,22 @@ async fn discards_a_checkpoint_of_another_fold_version_or_stream() {
     assert_eq!(restored_at, 0, "a checkpoint of another stream is not used");
     assert_eq!(rebuilt, expected);
 
+    // An entry that does not decode, the last hot one (the restore has loaded all the others
+    // into its state by then): rebuilt from seq 0, same result.
+    let (_, restored_at) = run_to_end(log.clone(), checkpoints.clone()).await;
+    assert!(restored_at > 0, "the checkpoint the rebuild wrote is used");
+    let last_hot = tree
+        .scan_prefix([anima_engine::checkpoint::STATE_PREFIX])
+        .keys()
+        .rev()
+        .map(|key| key.expect("key"))
+        .find(|key| !State::is_cold_tag(key[1]))
+        .expect("a hot entry");
+    tree.insert(last_hot, &[0xff; 16][..]).expect("insert");
+    let (rebuilt, restored_at) = run_to_end(log.clone(), checkpoints.clone()).await;
+    assert_eq!(restored_at, 0, "a checkpoint with an entry that does not decode is not used");
+    assert_eq!(rebuilt, expected);
+
     // Untouched, it is used.
     let (resumed, restored_at) = run_to_end(log, checkpoints).await;
     assert!(restored_at > 0);
