@@ -14,7 +14,6 @@ pub mod memory;
 pub mod metrics;
 pub mod projection;
 pub mod replay;
-pub mod startup_pages;
 pub mod subject;
 pub mod testing;
 pub mod validate;
