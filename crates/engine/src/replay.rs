@@ -391,12 +391,28 @@ impl Replayer {
 
     /// Folds up to `seq`, from the newest snapshot at or before it, and keeps the result as a
     /// snapshot (at most [`ReplayConfig::snapshots_kept_max`], spread over the log).
+    ///
+    /// A fold past the newest snapshot takes that snapshot over instead of copying it: the state
+    /// asked for at the log's head, again and again as the log grows (an operator watching, or
+    /// `anima-load`'s reader), then costs the events since the last call, not a copy of the
+    /// whole state per call and a cache of several full states. Under `anima-load` at ~700k
+    /// events, calls 5 s apart took 4.3 s at the median, and the engine passed 2 GiB in 90 s.
     async fn rebuild_to(&self, seq: u64) -> Result<Arc<Rebuilt>, ReplayError> {
         let start = {
-            let snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-            match snapshots.range(..=seq).next_back() {
-                Some((&at, snapshot)) if at == seq => return Ok(snapshot.clone()),
-                Some((_, snapshot)) => Rebuilt::clone(snapshot),
+            let mut snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+            let newest = snapshots.last_key_value().map(|(&at, _)| at);
+            match snapshots.range(..=seq).next_back().map(|(&at, _)| at) {
+                Some(at) if at == seq => return Ok(snapshots[&at].clone()),
+                Some(at) if Some(at) == newest => {
+                    let taken = snapshots.remove(&at).expect("the newest snapshot is kept");
+                    // Shared with a caller still reading it: copied, and it stays kept.
+                    Arc::try_unwrap(taken).unwrap_or_else(|shared| {
+                        let copy = Rebuilt::clone(&shared);
+                        snapshots.insert(at, shared);
+                        copy
+                    })
+                }
+                Some(at) => Rebuilt::clone(&snapshots[&at]),
                 None => Rebuilt::empty(),
             }
         };
@@ -453,6 +469,10 @@ impl Replayer {
         // The last events may have been gaps: the state is as of `to` all the same.
         if rebuilt.seq < to {
             rebuilt.seq = to;
+        }
+        if !track_changes {
+            // Nothing reads them, and a kept snapshot would carry them into every later fold.
+            drop(rebuilt.state.take_changes());
         }
         Ok(rebuilt)
     }

@@ -226,6 +226,27 @@ async fn state_at_three_points_gives_the_cursors_and_the_queue() {
     assert!(matches!(beyond, ReplayError::InvalidArgument { field: "at.seq", .. }), "{beyond}");
 }
 
+/// Asked at later and later points (the log's head as it grows), the replayer takes its newest
+/// snapshot over instead of copying it; whatever the order of the calls, every answer equals a
+/// rebuild from the start, earlier points included.
+#[tokio::test]
+async fn states_asked_in_any_order_equal_rebuilds_from_the_start() {
+    let log = incident_log().await;
+    let replayer = Replayer::new(log.clone(), ReplayConfig::default());
+    for seq in [2, 3, 5, 9, 4, 6, 1, 9, 7] {
+        let answer = replayer.rebuild(Some(LogPoint::Seq(seq))).await.unwrap().state.canonical_bytes();
+        let fresh = Replayer::new(log.clone(), ReplayConfig::default()).rebuild(Some(LogPoint::Seq(seq))).await.unwrap();
+        assert!(answer == fresh.state.canonical_bytes(), "the state at seq {seq} differs from a rebuild");
+    }
+    // A caller still holding the newest snapshot keeps it as it was.
+    let held = replayer.rebuild(Some(LogPoint::Seq(8))).await.unwrap();
+    let before = held.state.canonical_bytes();
+    let later = replayer.rebuild(Some(LogPoint::Seq(9))).await.unwrap();
+    assert_eq!((held.seq, later.seq), (8, 9));
+    assert!(held.state.canonical_bytes() == before, "a state handed out changed under its holder");
+    assert!(replayer.rebuild(Some(LogPoint::Seq(8))).await.unwrap().state.canonical_bytes() == before);
+}
+
 #[tokio::test]
 async fn explain_names_the_foreign_rows_of_a_held_send() {
     let log = incident_log().await;
