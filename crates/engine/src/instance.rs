@@ -112,6 +112,7 @@ impl Instance {
     /// Opens the data dir and the log, restores the projection and waits until it has applied
     /// everything the log held at start.
     pub async fn start(config: InstanceConfig) -> Result<Instance, InstanceError> {
+        let _small_pages = crate::startup_pages::SmallPagesWhileStarting::begin();
         let data_dir_error =
             |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
         let db = crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true)

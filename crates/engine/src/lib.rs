@@ -14,6 +14,7 @@ pub mod memory;
 pub mod metrics;
 pub mod projection;
 pub mod replay;
+pub mod startup_pages;
 pub mod subject;
 pub mod testing;
 pub mod validate;

@@ -235,7 +235,8 @@ async fn states_asked_in_any_order_equal_rebuilds_from_the_start() {
     let replayer = Replayer::new(log.clone(), ReplayConfig::default());
     for seq in [2, 3, 5, 9, 4, 6, 1, 9, 7] {
         let answer = replayer.rebuild(Some(LogPoint::Seq(seq))).await.unwrap().state.canonical_bytes();
-        let fresh = Replayer::new(log.clone(), ReplayConfig::default()).rebuild(Some(LogPoint::Seq(seq))).await.unwrap();
+        let fresh =
+            Replayer::new(log.clone(), ReplayConfig::default()).rebuild(Some(LogPoint::Seq(seq))).await.unwrap();
         assert!(answer == fresh.state.canonical_bytes(), "the state at seq {seq} differs from a rebuild");
     }
     // A caller still holding the newest snapshot keeps it as it was.
