@@ -525,10 +525,9 @@ fn visit_records(
 /// gets there). So the count is always exact for the keys it answers for.
 ///
 /// The scan begins with the first append, not at open. A restarting engine restores its
-/// projection between the two, and on two cores the scan took a core from that restore: on the
-/// scale figure's history with 579k stored ids, restores took 246–283 ms with the scan deferred
-/// against 290–577 ms with it running beside them (README, "The scale figure"). A process that
-/// only reads, such as the replay tool, never pays for it.
+/// projection between the two, and on two cores the scan competes with that restore for a
+/// core; a process that only reads, such as the replay tool, never pays for it. (Measured only
+/// together with the start's small pages, `crate::startup_pages`: README, "The scale figure".)
 struct StoredIds {
     /// Set by the first append: the opening scan may run.
     started: bool,
