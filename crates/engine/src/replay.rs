@@ -408,9 +408,8 @@ impl Replayer {
                 Some(at) if Some(at) == newest => {
                     let taken = snapshots.remove(&at).expect("the newest snapshot is kept");
                     // Shared with a caller still reading it: it stays kept, and is copied.
-                    Arc::try_unwrap(taken).map_err(|shared| {
+                    Arc::try_unwrap(taken).inspect_err(|shared| {
                         snapshots.insert(at, shared.clone());
-                        shared
                     })
                 }
                 Some(at) => Err(snapshots[&at].clone()),
