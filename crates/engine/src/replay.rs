@@ -164,9 +164,12 @@ impl Rebuilt {
         Rebuilt { state: State::new(), seq: 0, log_time_ns: 0 }
     }
 
-    /// SHA-256 of the state's canonical encoding, hex.
+    /// SHA-256 of the state's canonical encoding, hex; the encoding is hashed as it is made,
+    /// never held whole.
     pub fn state_sha256(&self) -> String {
-        hex::encode(Sha256::digest(self.state.canonical_bytes()))
+        let mut hasher = Sha256::new();
+        self.state.canonical_encode(&mut |chunk| hasher.update(chunk));
+        hex::encode(hasher.finalize())
     }
 }
 

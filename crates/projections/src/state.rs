@@ -373,49 +373,60 @@ macro_rules! state_tables {
 
             /// The canonical encoding of the whole state: equal states give equal bytes.
             pub fn canonical_bytes(&self) -> Vec<u8> {
-                let mut out = encode(&self.meta);
+                let mut out = Vec::new();
+                self.canonical_encode(&mut |chunk| out.extend_from_slice(chunk));
+                out
+            }
+
+            /// The bytes of [`State::canonical_bytes`], handed to `sink` in chunks of about
+            /// [`CANONICAL_CHUNK_BYTES`]: a digest of the state (`Replay.StateAt` answers with
+            /// one) needs no buffer of the whole state, and no value is encoded into a buffer of
+            /// its own.
+            pub fn canonical_encode(&self, sink: &mut dyn FnMut(&[u8])) {
+                let mut out = CanonicalWriter { chunk: Vec::with_capacity(2 * CANONICAL_CHUNK_BYTES), sink };
+                out.put(&self.meta);
                 $(
-                    out.push($tag);
-                    out.extend(encode(&(self.$field.len() as u64)));
+                    out.byte($tag);
+                    out.put(&(self.$field.len() as u64));
                     for (key, value) in self.$field.iter() {
-                        out.extend(encode(key));
-                        out.extend(encode(value));
+                        out.put(key);
+                        out.put(value);
                     }
                 )*
-                out.push(VERDICTS_TAG);
-                out.extend(encode(&(self.verdicts.len() as u64)));
+                out.byte(VERDICTS_TAG);
+                out.put(&(self.verdicts.len() as u64));
                 for (seq, kept) in self.verdicts.iter() {
-                    out.extend(encode(&seq));
-                    out.extend(encode(&kept.get()));
+                    out.put(&seq);
+                    out.put(&kept.get());
                 }
-                out.push(QUEUES_TAG);
-                out.extend(encode(&(self.queues.len() as u64)));
+                out.byte(QUEUES_TAG);
+                out.put(&(self.queues.len() as u64));
                 for (agent, queue) in self.queues.iter() {
-                    out.extend(encode(agent));
-                    out.extend(encode(&queue.header()));
-                    out.extend(encode(&(queue.queued_len() as u64)));
+                    out.put(agent);
+                    out.put(&queue.header());
+                    out.put(&(queue.queued_len() as u64));
                     if queue.items_in_store() {
                         for (slot, item) in self.stored_queue_items(agent) {
-                            out.extend(encode(&slot));
-                            out.extend(encode(&item));
+                            out.put(&slot);
+                            out.put(&item);
                         }
                     } else {
                         for (slot, item) in queue.slotted() {
-                            out.extend(encode(&slot));
-                            out.extend(encode(item));
+                            out.put(&slot);
+                            out.put(item);
                         }
                     }
                 }
                 $(
-                    let entries = self.$cfield.all_entries($ctag, &self.cold);
-                    out.push($ctag);
-                    out.extend(encode(&(entries.len() as u64)));
-                    for (key, value) in &entries {
-                        out.extend(encode(key));
-                        out.extend(encode(value));
-                    }
+                    let entries = self.$cfield.sorted_entries($ctag, &self.cold);
+                    out.byte($ctag);
+                    out.put(&(entries.len() as u64));
+                    entries.for_each(|key, value| {
+                        out.put(key);
+                        out.put(value);
+                    });
                 )*
-                out
+                out.finish();
             }
 
             /// Entries not yet checkpointed.
@@ -553,6 +564,37 @@ pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
 pub(crate) const SETTLED_IDS_TAG: u8 = 33;
 pub(crate) const SETTLED_ORDER_TAG: u8 = 34;
 use crate::journal::JOURNAL_ROWS_TAG;
+
+/// What [`State::canonical_encode`] gathers before handing bytes on.
+pub const CANONICAL_CHUNK_BYTES: usize = 64 * 1024;
+
+/// Encodes values one after another into one reused chunk, handed to the sink when full.
+struct CanonicalWriter<'a> {
+    chunk: Vec<u8>,
+    sink: &'a mut dyn FnMut(&[u8]),
+}
+
+impl CanonicalWriter<'_> {
+    fn put<T: Serialize + ?Sized>(&mut self, value: &T) {
+        let chunk = std::mem::take(&mut self.chunk);
+        // Serializing plain data into a Vec cannot fail.
+        self.chunk = postcard::to_extend(value, chunk).expect("postcard encodes plain data");
+        if self.chunk.len() >= CANONICAL_CHUNK_BYTES {
+            (self.sink)(&self.chunk);
+            self.chunk.clear();
+        }
+    }
+
+    fn byte(&mut self, byte: u8) {
+        self.chunk.push(byte);
+    }
+
+    fn finish(self) {
+        if !self.chunk.is_empty() {
+            (self.sink)(&self.chunk);
+        }
+    }
+}
 
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     // Serializing plain data into a Vec cannot fail.
@@ -807,5 +849,42 @@ mod kept_verdict_tests {
         assert!(restored_kept == folded_kept, "the store holds the kept window, no more");
         let pages = store.keys().filter(|key| key[0] == VERDICTS_TAG).count() as u64;
         assert_eq!(pages, window / crate::verdict_window::VERDICTS_PER_PAGE, "one entry per page of slots");
+    }
+
+    /// The canonical encoding reaches its sink in bounded chunks, and the last one is handed
+    /// on too: a digest taken as the state is encoded covers every table.
+    #[test]
+    fn the_canonical_encoding_streams_in_bounded_chunks_to_its_last_table() {
+        let mut folded = State::new();
+        for seq in 1..=20_000u64 {
+            folded.meta.applied_seq = seq;
+            let verdict = crate::verdict::refused(RefusalKind::InvalidArgument, format!("event {seq}"));
+            folded.verdicts.record(seq, KeptVerdict::new(verdict));
+        }
+        let mut chunks: Vec<Vec<u8>> = Vec::new();
+        folded.canonical_encode(&mut |chunk| chunks.push(chunk.to_vec()));
+        assert!(chunks.len() >= 3, "{} chunks", chunks.len());
+        let (last, full) = chunks.split_last().expect("chunks");
+        for chunk in full {
+            let size = chunk.len();
+            assert!((CANONICAL_CHUNK_BYTES..CANONICAL_CHUNK_BYTES + 1_024).contains(&size), "a chunk of {size} bytes");
+        }
+        assert!(!last.is_empty() && last.len() < CANONICAL_CHUNK_BYTES);
+        let streamed = chunks.concat();
+        assert!(streamed == folded.canonical_bytes());
+        // The newest verdict, then the (empty) queues and cold tables, each a tag and a count.
+        let newest = encode(&folded.verdict(20_000).cloned().expect("kept"));
+        let mut tail = newest;
+        for tag in [
+            QUEUES_TAG,
+            IDENTITIES_TAG,
+            IDENTITY_ORDER_TAG,
+            crate::journal::JOURNAL_ROWS_TAG,
+            SETTLED_IDS_TAG,
+            SETTLED_ORDER_TAG,
+        ] {
+            tail.extend([tag, 0]);
+        }
+        assert!(streamed.ends_with(&tail), "the encoding ends with the newest verdict and the empty tables");
     }
 }
