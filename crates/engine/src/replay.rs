@@ -71,6 +71,26 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ReplayError {
     ReplayError::InvalidArgument { field, reason: reason.into() }
 }
 
+/// Runs `work` on tokio's blocking threads. A copy, a walk or a hash of a whole state takes up
+/// to seconds at a fleet's history; on an async worker it would hold every request queued behind
+/// that worker meanwhile (`anima-load` with `Replay.StateAt` every 5 s saw Sends wait 3–4 s; see
+/// README, "Load it"). A panic in `work` goes on as a panic of the caller.
+pub async fn off_the_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, ReplayError> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => ReplayError::Log(LogError::Unavailable("the server is stopping".to_owned())),
+    })
+}
+
+/// Drops `value` on tokio's blocking threads when in a runtime (inline otherwise): freeing a
+/// whole state takes about as long as a walk of it.
+fn free_off_the_workers<T: Send + 'static>(value: T) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(move || drop(value))),
+        Err(_) => drop(value),
+    }
+}
+
 /// A point in the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogPoint {
@@ -421,30 +441,43 @@ impl Replayer {
         };
         // Copied after the lock is let go: a copy of a whole state takes seconds at a fleet's
         // history, and every other rebuild waits on the lock.
-        let start = start.unwrap_or_else(|shared| Rebuilt::clone(&shared));
+        let start = match start {
+            Ok(owned) => owned,
+            Err(shared) => off_the_workers(move || Rebuilt::clone(&shared)).await?,
+        };
         if start.seq == seq {
             return Ok(Arc::new(start));
         }
         let rebuilt = Arc::new(self.fold(start, seq, false, |_, _| {}).await?);
         if seq > 0 && self.config.snapshots_kept_max > 0 {
-            let mut snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
-            snapshots.insert(seq, rebuilt.clone());
-            while snapshots.len() > self.config.snapshots_kept_max {
-                // Keep the spread: forget the snapshot closest to its older neighbour.
-                let keys: Vec<u64> = snapshots.keys().copied().collect();
-                let closest = keys.windows(2).min_by_key(|pair| pair[1] - pair[0]).map(|pair| pair[1]);
-                match closest {
-                    Some(key) => snapshots.remove(&key),
-                    None => snapshots.pop_first().map(|(_, s)| s),
-                };
+            let mut forgotten = Vec::new();
+            {
+                let mut snapshots = self.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+                snapshots.insert(seq, rebuilt.clone());
+                while snapshots.len() > self.config.snapshots_kept_max {
+                    // Keep the spread: forget the snapshot closest to its older neighbour.
+                    let keys: Vec<u64> = snapshots.keys().copied().collect();
+                    let closest = keys.windows(2).min_by_key(|pair| pair[1] - pair[0]).map(|pair| pair[1]);
+                    forgotten.extend(match closest {
+                        Some(key) => snapshots.remove(&key),
+                        None => snapshots.pop_first().map(|(_, s)| s),
+                    });
+                }
+            }
+            if !forgotten.is_empty() {
+                free_off_the_workers(forgotten);
             }
         }
         Ok(rebuilt)
     }
 
-    /// [`Replayer::rebuild_to`], owned, to fold further.
+    /// [`Replayer::rebuild_to`], owned, to fold further: a copy of the kept snapshot, made off
+    /// the async workers.
     async fn rebuild_owned(&self, seq: u64) -> Result<Rebuilt, ReplayError> {
-        Ok(Arc::unwrap_or_clone(self.rebuild_to(seq).await?))
+        match Arc::try_unwrap(self.rebuild_to(seq).await?) {
+            Ok(owned) => Ok(owned),
+            Err(shared) => off_the_workers(move || Rebuilt::clone(&shared)).await,
+        }
     }
 
     /// Folds the events after `rebuilt.seq` up to `to`, calling `visit` after each is applied.
@@ -467,6 +500,9 @@ impl Replayer {
             rebuilt.log_time_ns = record.timestamp_ns;
             visit(&record, &rebuilt.state);
             events += 1;
+            // Yields to the other tasks of this worker once the task's budget is spent: a fold of
+            // a long range must not hold the requests queued behind it.
+            tokio::task::consume_budget().await;
             if !track_changes && events.is_multiple_of(self.config.change_tracking_events_max.max(1)) {
                 drop(rebuilt.state.take_changes());
             }
@@ -527,6 +563,7 @@ impl Replayer {
                 };
             }
         }
+        free_off_the_workers(before);
         Ok(explanation)
     }
 
@@ -544,12 +581,14 @@ impl Replayer {
         }
         let start = self.rebuild_owned(from - 1).await?;
         let redactor = Redactor::schema();
-        self.fold(start, to, false, |record, state| {
-            let mut event = redactor.redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
-            event.outcome = state.verdict(record.seq).map(RedactedOutcome::of);
-            counts.observe(&event);
-        })
-        .await?;
+        let folded = self
+            .fold(start, to, false, |record, state| {
+                let mut event = redactor.redact(record.seq, record.timestamp_ns, &record.subject, &record.payload);
+                event.outcome = state.verdict(record.seq).map(RedactedOutcome::of);
+                counts.observe(&event);
+            })
+            .await?;
+        free_off_the_workers(folded);
         Ok((from, to, counts))
     }
 }
@@ -570,6 +609,14 @@ struct ReadCursor {
     change_tracking_events_max: u64,
     events: u64,
     started: Instant,
+}
+
+impl Drop for ReadCursor {
+    fn drop(&mut self) {
+        if let Some(fold) = self.fold.take() {
+            free_off_the_workers(fold);
+        }
+    }
 }
 
 impl ReadCursor {
@@ -604,6 +651,9 @@ impl ReadCursor {
                 if self.events.is_multiple_of(self.change_tracking_events_max) {
                     drop(fold.state.take_changes());
                 }
+                // As in `Replayer::fold`: filtered out, events are folded without an item to
+                // give back, so the stream would not yield between them.
+                tokio::task::consume_budget().await;
             }
             if record.seq < self.from {
                 continue;

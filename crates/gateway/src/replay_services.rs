@@ -15,8 +15,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use anima_engine::replay::{
-    self, CursorFacts, EventFilter, Explanation, LogPoint, LogRange, ReadQuery, Rebuilt, ReplayConfig, ReplayError,
-    ReplayedEvent, Replayer,
+    self, off_the_workers, CursorFacts, EventFilter, Explanation, LogPoint, LogRange, ReadQuery, Rebuilt, ReplayConfig,
+    ReplayError, ReplayedEvent, Replayer,
 };
 use anima_engine::Engine;
 use anima_projections::journal::RowMeta;
@@ -402,7 +402,10 @@ pub async fn state_at(
     let surface = surface(&request.surface, "surface")?;
     let agent = (!request.agent_id.is_empty()).then_some(request.agent_id);
     let rebuilt = replayer.rebuild(at).await.map_err(replay_status)?;
-    Ok(state_at_response(&rebuilt, agent.as_deref(), surface.as_ref()))
+    // The view hashes the whole state (and may be the last holder of it, freeing it).
+    off_the_workers(move || state_at_response(&rebuilt, agent.as_deref(), surface.as_ref()))
+        .await
+        .map_err(replay_status)
 }
 
 /// A recorded verdict as JSON: the fold's own structure, readable by scripts and people, never
