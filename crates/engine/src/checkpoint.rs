@@ -186,17 +186,20 @@ impl CheckpointStore {
                 // What is hot comes into memory; the cold tables' entries stay in the store and
                 // are read back when a decision needs them, so restart does not grow with them.
                 let mut loaded = std::collections::BTreeMap::<u8, (usize, usize)>::new();
-                'tables: for tag in (0..=u8::MAX).filter(|tag| !State::is_cold_tag(*tag)) {
+                // A table's entries are read, then loaded at once (`State::load_table_entries`).
+                for tag in (0..=u8::MAX).filter(|tag| !State::is_cold_tag(*tag)) {
+                    let mut entries = Vec::new();
                     for entry in tree.scan_prefix([STATE_PREFIX, tag]) {
                         let (key, value) = entry?;
                         let counted = loaded.entry(tag).or_default();
                         counted.0 += 1;
                         counted.1 += value.len();
-                        if let Err(e) = state.load_entry(&key[1..], &value) {
-                            tracing::warn!(error = %e, "checkpoint entry does not decode; rebuilding from the log");
-                            intact = false;
-                            break 'tables;
-                        }
+                        entries.push((key.subslice(1, key.len() - 1), value));
+                    }
+                    if let Err(e) = state.load_table_entries(tag, &entries) {
+                        tracing::warn!(error = %e, "checkpoint entry does not decode; rebuilding from the log");
+                        intact = false;
+                        break;
                     }
                 }
                 tracing::debug!(?loaded, "checkpoint entries loaded by table tag (entries, value bytes)");

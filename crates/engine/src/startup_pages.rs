@@ -10,13 +10,26 @@
 //! pages the same restarts took 0.52–0.60 s (README, "The scale figure").
 //!
 //! So huge pages are off while any instance of the process starts (`PR_SET_THP_DISABLE`, which
-//! holds for the whole process), and back on once every start has finished: the engine's
-//! other measurements were all made with them on.
+//! holds for the whole process), and back on once every start has finished, unless the process
+//! asked for small pages for good ([`small_pages_from_now_on`]), as `anima-wake serve` does by
+//! default since they also cost RSS and throughput under load.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Instances of this process starting now.
 static STARTING: AtomicUsize = AtomicUsize::new(0);
+
+/// Set by [`small_pages_from_now_on`]: no start turns huge pages back on.
+static ALWAYS_SMALL: AtomicBool = AtomicBool::new(false);
+
+/// Huge pages off for the rest of the process's life, not only while instances start. What
+/// `anima-wake serve` does unless `[runner] transparent_huge_pages = true`: under `anima-load`
+/// (60 s runs, alternated, 2 pairs) the engine without them ended at 613–623 MiB RSS against
+/// 703–720 MiB with them, at 9,567–10,184 against 9,264–9,676 ops/s (README, "Load it").
+pub fn small_pages_from_now_on() {
+    ALWAYS_SMALL.store(true, Ordering::SeqCst);
+    set_huge_pages_off(true);
+}
 
 /// Held while an instance starts: the first one turns huge pages off, the last one to finish
 /// turns them back on. A process started with huge pages off keeps them off.
@@ -38,7 +51,7 @@ impl SmallPagesWhileStarting {
 
 impl Drop for SmallPagesWhileStarting {
     fn drop(&mut self) {
-        if self.counted && STARTING.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if self.counted && STARTING.fetch_sub(1, Ordering::SeqCst) == 1 && !ALWAYS_SMALL.load(Ordering::SeqCst) {
             set_huge_pages_off(false);
         }
     }

@@ -248,6 +248,9 @@ impl RunningServer {
 /// Starts an engine instance and its gRPC server.
 pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     config.validate()?;
+    if !config.runner.transparent_huge_pages {
+        anima_engine::startup_pages::small_pages_from_now_on();
+    }
     let auth = Auth::new(&config.tokens)?;
     let subject_prefix = config.checked_subject_prefix()?;
     let backend = match &config.nats {

@@ -126,6 +126,15 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
         self.values.load(key, value);
     }
 
+    /// Loads a table's checkpoint entries at once ([`Table::load_batch`]).
+    pub fn load_batch(&mut self, entries: Vec<(K, V)>) {
+        self.keys.reserve(entries.len());
+        for (key, value) in &entries {
+            self.keys.insert(value.clone(), *key);
+        }
+        self.values.load_batch(entries);
+    }
+
     pub fn changed_len(&self) -> usize {
         self.values.changed_len()
     }
