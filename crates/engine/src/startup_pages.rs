@@ -24,8 +24,8 @@ static ALWAYS_SMALL: AtomicBool = AtomicBool::new(false);
 
 /// Huge pages off for the rest of the process's life, not only while instances start. What
 /// `anima-wake serve` does unless `[runner] transparent_huge_pages = true`: under `anima-load`
-/// (60 s runs, alternated, 2 pairs) the engine without them ended at 613–623 MiB RSS against
-/// 703–720 MiB with them, at 9,567–10,184 against 9,264–9,676 ops/s (README, "Load it").
+/// (60 s runs, 4 alternated pairs) the engine without them ended at 613–641 MiB RSS against
+/// 691–720 MiB with them, at the same throughput within the noise (README, "Load it").
 pub fn small_pages_from_now_on() {
     ALWAYS_SMALL.store(true, Ordering::SeqCst);
     set_huge_pages_off(true);

@@ -206,8 +206,9 @@ pub struct RunnerSettings {
     #[serde(default = "default_memory_budget_mib")]
     pub memory_budget_mib: u64,
     /// Let the allocator's memory land in transparent huge pages (2 MiB). Off by default: under
-    /// `anima-load` the engine ended 60 s runs with 11–15% less RSS and at a higher throughput
-    /// without them (README, "Load it"), and a start never waits on the kernel zeroing them.
+    /// `anima-load` the engine ended 60 s runs with 8–15% less RSS without them, at a throughput
+    /// level within the noise (README, "Load it"), and a start never waits on the kernel zeroing
+    /// them.
     #[serde(default)]
     pub transparent_huge_pages: bool,
 }
