@@ -385,8 +385,8 @@ macro_rules! state_tables {
 
             /// Loads every checkpoint entry of the table with tag `tag` at once (each key as for
             /// [`State::load_entry`], tag first): an ordered table still empty is built from them
-            /// in one pass rather than by one insert each, which is most of a restart's work
-            /// after sled's own reads. Other tags load entry by entry.
+            /// in one pass rather than by one insert each (those inserts were a fifth of a
+            /// restore's CPU at the scale figure's history). Other tags load entry by entry.
             pub fn load_table_entries<Key: AsRef<[u8]>, Value: AsRef<[u8]>>(
                 &mut self,
                 tag: u8,

@@ -376,6 +376,9 @@ impl Scenario {
         self.checkpoint();
         let loaded = load_entries(&self.checkpoint.entries());
         assert!(loaded.canonical_bytes() == bytes, "state loaded from the checkpoint differs from the folded state");
+        // A restart loads each table's entries at once (`State::load_table_entries`).
+        let by_table = load_tables(&self.checkpoint.entries());
+        assert!(by_table == loaded, "a checkpoint loaded table by table differs from one loaded entry by entry");
         // Derived lookup indexes (interned keys, queued ids) are not in the canonical bytes:
         // loading must rebuild them too.
         if !self.evict_always {
@@ -620,6 +623,18 @@ fn load_entries(store: &BTreeMap<Vec<u8>, Vec<u8>>) -> State {
     let mut loaded = State::new();
     for (key, value) in store {
         loaded.load_entry(key, value).expect("checkpoint entries decode");
+    }
+    loaded
+}
+
+/// A state loaded from a checkpoint store table by table, as a restart loads it.
+fn load_tables(store: &BTreeMap<Vec<u8>, Vec<u8>>) -> State {
+    let mut loaded = State::new();
+    let mut tags: Vec<u8> = store.keys().map(|key| key[0]).collect();
+    tags.dedup();
+    for tag in tags {
+        let entries: Vec<(&Vec<u8>, &Vec<u8>)> = store.iter().filter(|(key, _)| key[0] == tag).collect();
+        loaded.load_table_entries(tag, &entries).expect("checkpoint entries decode");
     }
     loaded
 }
