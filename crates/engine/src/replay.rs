@@ -73,7 +73,7 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ReplayError {
 
 /// Runs `work` on tokio's blocking threads. A copy, a walk or a hash of a whole state takes up
 /// to seconds at a fleet's history; on an async worker it would hold every request queued behind
-/// that worker meanwhile (`anima-load` with `Replay.StateAt` every 5 s saw Sends wait 3–4 s; see
+/// that worker meanwhile (`anima-load` with `Replay.StateAt` every 5 s saw a Send wait 4.2 s; see
 /// README, "Load it"). A panic in `work` goes on as a panic of the caller.
 pub async fn off_the_workers<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, ReplayError> {
     tokio::task::spawn_blocking(work).await.map_err(|e| match e.try_into_panic() {
