@@ -91,6 +91,14 @@ fn free_off_the_workers<T: Send + 'static>(value: T) {
     }
 }
 
+/// `rebuilt` owned: taken when nobody else holds it, else copied off the async workers.
+async fn owned(rebuilt: Arc<Rebuilt>) -> Result<Rebuilt, ReplayError> {
+    match Arc::try_unwrap(rebuilt) {
+        Ok(owned) => Ok(owned),
+        Err(shared) => off_the_workers(move || Rebuilt::clone(&shared)).await,
+    }
+}
+
 /// A point in the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogPoint {
@@ -443,7 +451,7 @@ impl Replayer {
         // history, and every other rebuild waits on the lock.
         let start = match start {
             Ok(owned) => owned,
-            Err(shared) => off_the_workers(move || Rebuilt::clone(&shared)).await?,
+            Err(shared) => owned(shared).await?,
         };
         if start.seq == seq {
             return Ok(Arc::new(start));
@@ -471,13 +479,9 @@ impl Replayer {
         Ok(rebuilt)
     }
 
-    /// [`Replayer::rebuild_to`], owned, to fold further: a copy of the kept snapshot, made off
-    /// the async workers.
+    /// [`Replayer::rebuild_to`], owned, to fold further.
     async fn rebuild_owned(&self, seq: u64) -> Result<Rebuilt, ReplayError> {
-        match Arc::try_unwrap(self.rebuild_to(seq).await?) {
-            Ok(owned) => Ok(owned),
-            Err(shared) => off_the_workers(move || Rebuilt::clone(&shared)).await,
-        }
+        owned(self.rebuild_to(seq).await?).await
     }
 
     /// Folds the events after `rebuilt.seq` up to `to`, calling `visit` after each is applied.
