@@ -74,8 +74,8 @@ mod tests {
     use super::*;
 
     /// Starts overlap in one process (tests, several instances): huge pages are off from the
-    /// first start until the last one ends, then as they were. A process that had them off
-    /// keeps them off.
+    /// first start until the last one ends, then as they were; once the process asks for small
+    /// pages for good, no start turns them back on. (One test: the setting is the process's.)
     #[test]
     fn huge_pages_are_off_only_while_instances_start() {
         let off = || rustix::thread::transparent_huge_pages_are_disabled().expect("prctl");
@@ -87,5 +87,12 @@ mod tests {
         assert!(off(), "still off while another one starts");
         drop(second);
         assert_eq!(off(), before, "as before once every start has ended");
+        // `anima-wake serve`'s default: off for good, even across a start already under way.
+        let under_way = SmallPagesWhileStarting::begin();
+        small_pages_from_now_on();
+        drop(under_way);
+        assert!(off(), "still off after the start under way ended");
+        drop(SmallPagesWhileStarting::begin());
+        assert!(off(), "and after a later start");
     }
 }
