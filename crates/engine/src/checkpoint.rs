@@ -191,10 +191,11 @@ impl CheckpointStore {
                     let mut entries = Vec::new();
                     for entry in tree.scan_prefix([STATE_PREFIX, tag]) {
                         let (key, value) = entry?;
-                        let counted = loaded.entry(tag).or_default();
-                        counted.0 += 1;
-                        counted.1 += value.len();
                         entries.push((key.subslice(1, key.len() - 1), value));
+                    }
+                    if !entries.is_empty() {
+                        loaded
+                            .insert(tag, (entries.len(), entries.iter().map(|(_, value)| value.len()).sum::<usize>()));
                     }
                     if let Err(e) = state.load_table_entries(tag, &entries) {
                         tracing::warn!(error = %e, "checkpoint entry does not decode; rebuilding from the log");

@@ -391,20 +391,21 @@ where
         self.complete
     }
 
-    /// Every entry, in memory or in the store, in key order (the canonical encoding). A complete
-    /// table is sorted by reference, with nothing copied; otherwise as [`ColdTable::all_entries`].
-    pub fn sorted_entries(&self, tag: u8, cold: &Cold) -> SortedEntries<'_, K, V>
+    /// Calls `with` with every entry, in memory or in the store, in key order (the canonical
+    /// encoding). A complete table is sorted by reference, with nothing copied; otherwise the
+    /// entries are read as [`ColdTable::all_entries`] reads them.
+    pub fn with_sorted_entries<R>(&self, tag: u8, cold: &Cold, with: impl FnOnce(&[(&K, &V)]) -> R) -> R
     where
         V: Clone,
     {
-        if self.complete {
-            let mut present: Vec<(&K, &V)> =
-                self.map.iter().filter_map(|(key, entry)| entry.value.as_ref().map(|value| (key, value))).collect();
-            present.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            SortedEntries::Borrowed(present)
-        } else {
-            SortedEntries::Read(self.all_entries(tag, cold))
+        if !self.complete {
+            let read = self.all_entries(tag, cold);
+            return with(&read.iter().map(|(key, value)| (key, value)).collect::<Vec<_>>());
         }
+        let mut present: Vec<(&K, &V)> =
+            self.map.iter().filter_map(|(key, entry)| entry.value.as_ref().map(|value| (key, value))).collect();
+        present.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        with(&present)
     }
 
     /// Every entry, in memory or in the store, in key order (for the canonical encoding and for
@@ -578,32 +579,6 @@ where
                 (crate::state::tagged(tag, &slot), value.map(|value| crate::state::encode(&value)))
             }),
         );
-    }
-}
-
-/// Every entry of a cold table in key order: borrowed from memory, or read from the store.
-pub enum SortedEntries<'a, K, V> {
-    Borrowed(Vec<(&'a K, &'a V)>),
-    Read(Vec<(K, V)>),
-}
-
-impl<K, V> SortedEntries<'_, K, V> {
-    pub fn len(&self) -> usize {
-        match self {
-            SortedEntries::Borrowed(entries) => entries.len(),
-            SortedEntries::Read(entries) => entries.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn for_each(&self, mut each: impl FnMut(&K, &V)) {
-        match self {
-            SortedEntries::Borrowed(entries) => entries.iter().for_each(|(key, value)| each(key, value)),
-            SortedEntries::Read(entries) => entries.iter().for_each(|(key, value)| each(key, value)),
-        }
     }
 }
 

@@ -120,13 +120,7 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
         self.values.drain_changes()
     }
 
-    /// Loads an entry from a checkpoint; not marked changed.
-    pub fn load(&mut self, key: K, value: V) {
-        self.keys.insert(value.clone(), key);
-        self.values.load(key, value);
-    }
-
-    /// Loads a table's checkpoint entries at once ([`Table::load_batch`]).
+    /// Loads checkpoint entries ([`Table::load_batch`]); not marked changed.
     pub fn load_batch(&mut self, entries: Vec<(K, V)>) {
         self.keys.reserve(entries.len());
         for (key, value) in &entries {

@@ -278,20 +278,6 @@ macro_rules! take_table {
     }};
 }
 
-/// Loads one checkpoint entry of a table written by [`take_table`].
-macro_rules! load_table {
-    ($table:expr, $name:expr, $key:ident, $value:ident) => {
-        $table.load(decode($name, $key)?, decode($name, $value)?)
-    };
-    ($table:expr, $name:expr, $key:ident, $value:ident, paged) => {{
-        let _page: u32 = decode($name, $key)?;
-        let entries: Vec<(_, _)> = decode($name, $value)?;
-        for (key, value) in entries {
-            $table.load(key, value);
-        }
-    }};
-}
-
 /// Decodes one checkpoint entry of a table written by [`take_table`] into `$decoded`.
 macro_rules! decode_table_entry {
     ($decoded:ident, $name:expr, $key:expr, $value:expr) => {
@@ -354,7 +340,7 @@ macro_rules! state_tables {
                 match *tag {
                     META_TAG => self.meta = decode("meta", value)?,
                     $(
-                        $tag => load_table!(self.$field, stringify!($field), rest, value $(, $paged)?),
+                        $tag => self.load_table_entries($tag, &[(key, value)])?,
                     )*
                     $(
                         $ctag => self.$cfield.load(decode(stringify!($cfield), rest)?, decode(stringify!($cfield), value)?),
@@ -386,7 +372,9 @@ macro_rules! state_tables {
             /// Loads every checkpoint entry of the table with tag `tag` at once (each key as for
             /// [`State::load_entry`], tag first): an ordered table still empty is built from them
             /// in one pass rather than by one insert each (those inserts were a fifth of a
-            /// restore's CPU at the scale figure's history). Other tags load entry by entry.
+            /// restore's CPU at the scale figure's history). Other tags load entry by entry; an
+            /// ordered table's single entry comes here from [`State::load_entry`] too, so its
+            /// entries are decoded in one place.
             pub fn load_table_entries<Key: AsRef<[u8]>, Value: AsRef<[u8]>>(
                 &mut self,
                 tag: u8,
@@ -459,12 +447,13 @@ macro_rules! state_tables {
                     }
                 }
                 $(
-                    let entries = self.$cfield.sorted_entries($ctag, &self.cold);
-                    out.byte($ctag);
-                    out.put(&(entries.len() as u64));
-                    entries.for_each(|key, value| {
-                        out.put(key);
-                        out.put(value);
+                    self.$cfield.with_sorted_entries($ctag, &self.cold, |entries| {
+                        out.byte($ctag);
+                        out.put(&(entries.len() as u64));
+                        for (key, value) in entries {
+                            out.put(*key);
+                            out.put(*value);
+                        }
                     });
                 )*
                 out.finish();

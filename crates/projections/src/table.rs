@@ -148,13 +148,8 @@ impl<K: Ord + Clone, V> Table<K, V> {
         }
     }
 
-    /// Loads an entry from a checkpoint; not marked changed.
-    pub fn load(&mut self, key: K, value: V) {
-        self.map.insert(key, value);
-    }
-
-    /// Loads a table's checkpoint entries at once; not marked changed. An empty table is built
-    /// from them in one pass (sorted, then filled leaf by leaf) instead of one descent per entry.
+    /// Loads checkpoint entries; not marked changed. An empty table is built from them in one
+    /// pass (sorted, then filled leaf by leaf) instead of one descent per entry.
     pub fn load_batch(&mut self, entries: Vec<(K, V)>) {
         if self.map.is_empty() {
             self.map = entries.into_iter().collect();
