@@ -46,16 +46,17 @@ impl State {
 
     /// Moves the cursor of `key` to `to` if the rule allows it; the only place a cursor changes.
     pub(crate) fn advance_cursor(&mut self, key: AgentSurface, to: u64) -> Result<CursorAdvance, CursorRuleBroken> {
-        let before = self.cursors.get(&key).copied();
+        let (agent, surface) = key;
+        let before = self.cursor_by_key(agent, surface);
         let tail = self.journals.get(&key.1).map_or(0, |journal| journal.tail);
         let advance = rule(before, tail, to)?;
         debug_assert!(advance.before.is_none_or(|before| before <= advance.after), "a cursor never moves back");
         debug_assert!(advance.after <= advance.tail, "a cursor never passes the tail");
         debug_assert!(advance.tail > 0 || advance.after == 0, "on an empty surface a cursor can only be present@0");
         if advance.before != Some(advance.after) {
-            self.cursors.insert(key, advance.after);
+            self.cursors.insert((surface, agent), advance.after);
         }
-        debug_assert_eq!(self.cursors.get(&key).copied(), Some(advance.after));
+        debug_assert_eq!(self.cursor_by_key(agent, surface), Some(advance.after));
         Ok(advance)
     }
 }

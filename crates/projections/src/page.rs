@@ -1,6 +1,7 @@
 //! Checkpoint pages: a table keyed by an interned key (dense numbers given out in first-use
 //! order) is checkpointed as pages of [`KEYS_PER_PAGE`] consecutive keys, one entry each, not as
-//! one entry per key.
+//! one entry per key. A table keyed by (surface, agent) is paged by its surface: a page holds the
+//! entries of [`KEYS_PER_PAGE`] consecutive surfaces, whichever agents they are of.
 //!
 //! Why: a restart reads every entry of the tables that stay in memory, and what that costs is
 //! mostly the store's work per entry, not the bytes. On a history of 1,000,000 events over
@@ -16,26 +17,52 @@ use std::ops::RangeInclusive;
 
 use serde::Serialize;
 
-use crate::intern::InternKey;
+use crate::intern::{AgentKey, InternKey, SurfaceKey};
 use crate::table::Table;
 
 /// Keys per checkpoint page.
 pub const KEYS_PER_PAGE: u32 = 64;
 
-/// The page `key` is checkpointed in.
-pub fn page_of<K: InternKey>(key: K) -> u32 {
-    key.index() / KEYS_PER_PAGE
-}
-
-/// The keys of `page`.
-pub fn page_keys<K: InternKey>(page: u32) -> RangeInclusive<K> {
+/// The interned keys of `page`.
+fn interned_page<K: InternKey>(page: u32) -> RangeInclusive<K> {
     let first = page.saturating_mul(KEYS_PER_PAGE);
     K::from_index(first)..=K::from_index(first.saturating_add(KEYS_PER_PAGE - 1))
 }
 
+/// A key of a table checkpointed in pages: each key is in one page, and a page's keys are one
+/// range of the table's order.
+pub trait PageKey: Copy + Ord {
+    /// The page this key is checkpointed in.
+    fn page(self) -> u32;
+    /// Every key `page` can hold.
+    fn page_keys(page: u32) -> RangeInclusive<Self>;
+}
+
+impl<K: InternKey> PageKey for K {
+    fn page(self) -> u32 {
+        self.index() / KEYS_PER_PAGE
+    }
+
+    fn page_keys(page: u32) -> RangeInclusive<K> {
+        interned_page(page)
+    }
+}
+
+/// (surface, agent): paged by the surface, every agent's entry on it with it.
+impl PageKey for (SurfaceKey, AgentKey) {
+    fn page(self) -> u32 {
+        self.0.page()
+    }
+
+    fn page_keys(page: u32) -> RangeInclusive<Self> {
+        let surfaces = interned_page::<SurfaceKey>(page);
+        (*surfaces.start(), AgentKey(0))..=(*surfaces.end(), AgentKey(u32::MAX))
+    }
+}
+
 /// A table checkpointed in pages of its keys.
 pub trait PagedTable {
-    type Key: InternKey + Serialize;
+    type Key: PageKey + Serialize;
     type Value: Serialize;
     /// The pages of the keys changed since the last call (which forgets them).
     fn drain_changed_pages(&mut self) -> BTreeSet<u32>;
@@ -43,34 +70,41 @@ pub trait PagedTable {
     fn page_entries(&self, page: u32) -> Vec<(&Self::Key, &Self::Value)>;
 }
 
-impl<K: InternKey + Serialize, V: Serialize> PagedTable for Table<K, V> {
+impl<K: PageKey + Serialize, V: Serialize> PagedTable for Table<K, V> {
     type Key = K;
     type Value = V;
 
     fn drain_changed_pages(&mut self) -> BTreeSet<u32> {
-        self.drain_changes().into_iter().map(|(key, _)| page_of(key)).collect()
+        self.drain_changes().into_iter().map(|(key, _)| key.page()).collect()
     }
 
     fn page_entries(&self, page: u32) -> Vec<(&K, &V)> {
-        self.range(page_keys::<K>(page)).collect()
+        self.range(K::page_keys(page)).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::intern::SurfaceKey;
 
     #[test]
     fn pages_cover_every_key_once() {
         for index in [0u32, 1, 63, 64, 65, 127, 128, 4_000_000, u32::MAX - 64, u32::MAX] {
             let key = SurfaceKey(index);
-            assert!(page_keys::<SurfaceKey>(page_of(key)).contains(&key), "key {index}");
-            let page = page_of(key);
+            assert!(SurfaceKey::page_keys(key.page()).contains(&key), "key {index}");
+            let page = key.page();
             if page > 0 {
-                assert!(!page_keys::<SurfaceKey>(page - 1).contains(&key), "key {index} only in its own page");
+                assert!(!SurfaceKey::page_keys(page - 1).contains(&key), "key {index} only in its own page");
+            }
+            for agent in [0, 1, 7_000, u32::MAX] {
+                let pair = (key, AgentKey(agent));
+                assert_eq!(pair.page(), page, "({index}, {agent}) is paged by its surface");
+                assert!(<(SurfaceKey, AgentKey)>::page_keys(page).contains(&pair), "({index}, {agent})");
+                if page > 0 {
+                    assert!(!<(SurfaceKey, AgentKey)>::page_keys(page - 1).contains(&pair), "({index}, {agent})");
+                }
             }
         }
-        assert_eq!(page_keys::<SurfaceKey>(1), SurfaceKey(64)..=SurfaceKey(127));
+        assert_eq!(SurfaceKey::page_keys(1), SurfaceKey(64)..=SurfaceKey(127));
     }
 }

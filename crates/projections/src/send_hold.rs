@@ -74,7 +74,7 @@ impl State {
             return Verdict::Send(SendVerdict::NotContacted(refusal));
         }
         let cursor_key = self.agent_keys.key(agent).zip(self.surfaces.key(&surface));
-        let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursors.get(&key).copied()?)))
+        let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursor_by_key(key.0, key.1)?)))
         else {
             return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, cursor_after: None });
         };

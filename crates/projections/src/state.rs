@@ -20,9 +20,10 @@ use crate::verdict::Verdict;
 use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
-/// [`crate::slot_page`]; 17: 16 slots to a page instead of 64) and decision rules. A checkpoint
+/// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
+/// agent) and checkpointed in pages of surfaces) and decision rules. A checkpoint
 /// taken by another version is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 17;
+pub const FOLD_VERSION: u32 = 18;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -126,6 +127,9 @@ impl Eq for KeptVerdict {}
 
 /// Keys of per-(agent, surface) tables.
 pub type AgentSurface = (AgentKey, SurfaceKey);
+/// The cursors' key: surface first, so that the cursors of a page of surfaces are one range of
+/// the table and are checkpointed together ([`crate::page`]).
+pub type SurfaceAgent = (SurfaceKey, AgentKey);
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct State {
@@ -146,8 +150,9 @@ pub struct State {
     pub identities: ColdTable<(SurfaceKey, crate::surface::Id), u64>,
     /// (surface, ordinal) → (ordinal, ts), to evict the oldest identity of a surface. Cold.
     pub identity_order: ColdTable<(SurfaceKey, u64), (u64, crate::surface::Id), IdentitySlots>,
-    /// (agent, surface) → cursor: rows 1..=N delivered. Absent key: no cursor.
-    pub cursors: Table<AgentSurface, u64>,
+    /// (surface, agent) → the agent's cursor on the surface: rows 1..=N delivered. Absent key:
+    /// no cursor. Read and moved through [`State::cursor_by_key`] and `State::advance_cursor`.
+    pub cursors: Table<SurfaceAgent, u64>,
     pub queues: Table<String, AgentQueue>,
     /// (agent, item id) → its newest settle order and when it settled: the duplicate check of
     /// new wakes ([`crate::wake::SettledId`]). Cold.
@@ -520,7 +525,7 @@ state_tables! {
     1 => agents,
     2 => slack_identities,
     3 => journals paged,
-    6 => cursors,
+    6 => cursors paged,
     // 9 held the settle order before `settled` kept it in its key.
     11 => subscriptions,
     12 => chat_identities,
@@ -661,7 +666,7 @@ impl State {
     }
 
     pub(crate) fn cursor_by_key(&self, agent: AgentKey, surface: SurfaceKey) -> Option<u64> {
-        self.cursors.get(&(agent, surface)).copied()
+        self.cursors.get(&(surface, agent)).copied()
     }
 
     pub fn journal(&self, surface: &SurfaceId) -> Option<&SurfaceJournal> {
@@ -673,7 +678,7 @@ impl State {
         let mut entries: Vec<_> = self
             .cursors
             .iter()
-            .map(|((agent, surface), cursor)| {
+            .map(|((surface, agent), cursor)| {
                 ((self.agent_keys.value(*agent).as_str(), self.surfaces.value(*surface)), *cursor)
             })
             .collect();
@@ -746,7 +751,7 @@ impl State {
     }
 
     /// A checkpoint key of a table keyed by interned surfaces or agents, with those named by
-    /// their ids (e.g. `cursors (ada, slack:T1:D1)`), for reports that point at a key. `None` for
+    /// their ids (e.g. `subscriptions (ada, slack:T1:D1)`), for reports that point at a key. `None` for
     /// other tables and for keys that do not decode or that this state never assigned.
     pub fn describe_interned_key(&self, key: &[u8]) -> Option<String> {
         let (tag, rest) = key.split_first()?;
@@ -754,8 +759,8 @@ impl State {
         let surface = |key: SurfaceKey| self.surfaces.get(key).map(ToString::to_string);
         let agent = |key: AgentKey| self.agent_keys.get(key).cloned();
         let named = match table {
-            "journals" | "chat_kinds" | "surfaces" | "dm_members" => {
-                let keys = crate::page::page_keys::<SurfaceKey>(postcard::from_bytes(rest).ok()?);
+            "journals" | "chat_kinds" | "surfaces" | "dm_members" | "cursors" => {
+                let keys = <SurfaceKey as crate::page::PageKey>::page_keys(postcard::from_bytes(rest).ok()?);
                 let (first, last) = (surface(*keys.start()), surface(*keys.end()));
                 match (first, last) {
                     (Some(first), Some(last)) => format!("page of surfaces {first} to {last}"),
@@ -771,12 +776,12 @@ impl State {
                 let (on, ordinal): (SurfaceKey, u64) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ordinal})", surface(on)?)
             }
-            "cursors" | "subscriptions" => {
+            "subscriptions" => {
                 let (of, on): AgentSurface = postcard::from_bytes(rest).ok()?;
                 format!("({}, {})", agent(of)?, surface(on)?)
             }
             "agent_keys" => {
-                let keys = crate::page::page_keys::<AgentKey>(postcard::from_bytes(rest).ok()?);
+                let keys = <AgentKey as crate::page::PageKey>::page_keys(postcard::from_bytes(rest).ok()?);
                 format!("page of agents from {}", agent(*keys.start())?)
             }
             _ => return None,

@@ -19,6 +19,7 @@ use anima_engine::replay::{
 };
 use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
+use anima_projections::intern::{AgentKey, SurfaceKey};
 use anima_projections::proto::{self, envelope::Payload, Envelope};
 use anima_projections::redact::TimeBucket;
 use anima_projections::surface::SurfaceId;
@@ -430,13 +431,17 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     drop((source, replayer));
     released(dir.path()).await;
 
-    // Tamper with ada's cursor on the DM in the checkpoint.
+    // Tamper with ada's cursor on the DM in the checkpoint (in the page of cursors of the first
+    // surfaces, (surface, agent) → cursor).
     {
         let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
         let tree = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
         let cursors_tag = 6u8;
-        let (key, _) = tree.scan_prefix([STATE_PREFIX, cursors_tag]).next().unwrap().unwrap();
-        tree.insert(key, &[1u8][..]).unwrap();
+        let (key, page) = tree.scan_prefix([STATE_PREFIX, cursors_tag]).next().unwrap().unwrap();
+        let mut page: Vec<((SurfaceKey, AgentKey), u64)> = postcard::from_bytes(&page).unwrap();
+        assert_eq!(page.len(), 1, "ada's cursor on the DM is the only one: {page:?}");
+        page[0].1 += 1;
+        tree.insert(key, postcard::to_stdvec(&page).unwrap()).unwrap();
         drop(tree);
         data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
     }
@@ -445,7 +450,7 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     assert!(!report.passed());
     let difference = report.first_difference.unwrap();
     assert_eq!((difference.table.as_str(), difference.note.as_str()), ("cursors", "values differ"));
-    assert!(difference.key.contains("ada"), "{}", difference.key);
+    assert!(difference.key.contains(&dm().to_string()), "the page is named by its surfaces: {}", difference.key);
 }
 
 /// A JetStream stream is read directly: a missing stream is refused (not created), an
