@@ -48,7 +48,7 @@ impl State {
     pub(crate) fn advance_cursor(&mut self, key: AgentSurface, to: u64) -> Result<CursorAdvance, CursorRuleBroken> {
         let (agent, surface) = key;
         let before = self.cursor_by_key(agent, surface);
-        let tail = self.journals.get(&key.1).map_or(0, |journal| journal.tail);
+        let tail = self.journals.get(&surface).map_or(0, |journal| journal.tail);
         let advance = rule(before, tail, to)?;
         debug_assert!(advance.before.is_none_or(|before| before <= advance.after), "a cursor never moves back");
         debug_assert!(advance.after <= advance.tail, "a cursor never passes the tail");
