@@ -23,12 +23,6 @@ use crate::table::Table;
 /// Keys per checkpoint page.
 pub const KEYS_PER_PAGE: u32 = 64;
 
-/// The interned keys of `page`.
-fn interned_page<K: InternKey>(page: u32) -> RangeInclusive<K> {
-    let first = page.saturating_mul(KEYS_PER_PAGE);
-    K::from_index(first)..=K::from_index(first.saturating_add(KEYS_PER_PAGE - 1))
-}
-
 /// A key of a table checkpointed in pages: each key is in one page, and a page's keys are one
 /// range of the table's order.
 pub trait PageKey: Copy + Ord {
@@ -44,7 +38,8 @@ impl<K: InternKey> PageKey for K {
     }
 
     fn page_keys(page: u32) -> RangeInclusive<K> {
-        interned_page(page)
+        let first = page.saturating_mul(KEYS_PER_PAGE);
+        K::from_index(first)..=K::from_index(first.saturating_add(KEYS_PER_PAGE - 1))
     }
 }
 
@@ -55,7 +50,7 @@ impl PageKey for (SurfaceKey, AgentKey) {
     }
 
     fn page_keys(page: u32) -> RangeInclusive<Self> {
-        let surfaces = interned_page::<SurfaceKey>(page);
+        let surfaces = SurfaceKey::page_keys(page);
         (*surfaces.start(), AgentKey(0))..=(*surfaces.end(), AgentKey(u32::MAX))
     }
 }
