@@ -421,37 +421,29 @@ pub async fn runtime_loop(
     let mut sends = SendsClient::new(channel);
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate_per_second.max(0.001)));
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut watch: Option<tonic::Streaming<api::WatchResponse>> = None;
-    let mut claimable = false;
+    let (signals, mut claimable) = tokio::sync::watch::channel(false);
+    let _watching = AbortOnDrop(tokio::spawn(watch_signals(wakes.clone(), agent_id.clone(), signals, stop.clone())));
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        // Wait for a signal that a claim would get a wake (or claim anyway after a while).
-        let waited = Instant::now();
-        while !claimable && waited.elapsed() < WATCH_WAIT_MAX {
-            if watch.is_none() {
-                match wakes.watch(api::WatchRequest { agent_id: agent_id.clone() }).await {
-                    Ok(response) => watch = Some(response.into_inner()),
-                    Err(_) => {
-                        tokio::time::sleep(REOPEN_PAUSE).await;
-                        break;
-                    }
+        // Wait for a signal, received since the last claim, that a claim would get a wake (or
+        // claim anyway after a while).
+        let waited = tokio::time::timeout(WATCH_WAIT_MAX, async {
+            while claimable.changed().await.is_ok() {
+                if *claimable.borrow_and_update() {
+                    return;
                 }
             }
-            let Some(stream) = watch.as_mut() else { break };
-            let signal = tokio::select! {
-                _ = stop.cancelled() => return,
-                signal = tokio::time::timeout(WATCH_WAIT_MAX, stream.message()) => signal,
-            };
-            match signal {
-                Ok(Ok(Some(signal))) => claimable = signal.claimable,
-                Ok(Ok(None) | Err(_)) => watch = None,
-                Err(_) => break,
-            }
+            // The watching task ended (the run is stopping): wait out the bound.
+            std::future::pending::<()>().await
+        });
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = waited => {}
         }
-        claimable = false;
+        claimable.mark_unchanged();
         let claim =
             api::ClaimRequest { agent_id: agent_id.clone(), worker_id: worker_id.clone(), ..Default::default() };
         let Some(claimed) = timed(&recorder, Rpc::Claim, wakes.claim(claim)).await else { continue };
@@ -490,6 +482,55 @@ pub async fn runtime_loop(
             ..Default::default()
         };
         timed(&recorder, Rpc::Finish, wakes.finish(finish)).await;
+    }
+}
+
+/// Reads the agent's `Wakes.Watch` stream for as long as the run lasts, keeping only whether the
+/// latest signal says a claim would get a wake; opened again when it ends or fails.
+///
+/// A runtime must read its Watch stream continuously, as this does, and not only between its
+/// calls: signals the client has not read stay in the HTTP/2 flow-control window of the
+/// connection, which every other call on that connection shares. When unread signals filled it,
+/// the engine could send no answer on that connection, so every call on it waited. The earlier
+/// version of this tool read one signal per claim, and every 10-minute JetStream run stalled for
+/// about 25 s, ended only by the calls' 30 s deadlines.
+async fn watch_signals(
+    mut wakes: WakesClient<Channel>,
+    agent_id: String,
+    claimable: tokio::sync::watch::Sender<bool>,
+    stop: CancellationToken,
+) {
+    while !stop.is_cancelled() {
+        let opened = tokio::select! {
+            _ = stop.cancelled() => return,
+            opened = wakes.watch(api::WatchRequest { agent_id: agent_id.clone() }) => opened,
+        };
+        if let Ok(response) = opened {
+            let mut stream = response.into_inner();
+            loop {
+                let signal = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    signal = stream.message() => signal,
+                };
+                match signal {
+                    Ok(Some(signal)) => claimable.send_replace(signal.claimable),
+                    Ok(None) | Err(_) => break,
+                };
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(REOPEN_PAUSE) => {}
+        }
+    }
+}
+
+/// Aborts the task when dropped, so a runtime loop's watching task ends with the loop.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
