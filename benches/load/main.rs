@@ -582,9 +582,11 @@ impl Report {
         ));
         out.push_str(&format!("cpu: {}\n", cpu_percent(self.cpu_first, self.cpu_now, load_seconds)));
         out.push_str(&format!(
-            "claims: {} got a wake, {} found none\n",
+            "claims: {} got a wake, {} found none; Watch signals received {} ({:.0}/s)\n",
             fleet.claims_won.load(Relaxed),
-            fleet.claims_empty.load(Relaxed)
+            fleet.claims_empty.load(Relaxed),
+            fleet.watch_signals.load(Relaxed),
+            fleet.watch_signals.load(Relaxed) as f64 / load_seconds.max(f64::EPSILON)
         ));
         let folds: Vec<(f64, FoldProbe)> = samples.iter().filter_map(|s| s.fold.map(|f| (s.at_seconds, f))).collect();
         let mut lags: Vec<u64> = folds.iter().map(|(_, f)| f.lag_events).collect();

@@ -98,6 +98,8 @@ pub struct Fleet {
     /// Claims that found nothing to claim, and claims that got a wake.
     pub claims_empty: AtomicU64,
     pub claims_won: AtomicU64,
+    /// `Wakes.Watch` signals received, over all agents.
+    pub watch_signals: AtomicU64,
 }
 
 impl Fleet {
@@ -134,6 +136,7 @@ impl Fleet {
             sends_held_twice: AtomicU64::new(0),
             claims_empty: AtomicU64::new(0),
             claims_won: AtomicU64::new(0),
+            watch_signals: AtomicU64::new(0),
         }
     }
 
@@ -422,7 +425,8 @@ pub async fn runtime_loop(
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate_per_second.max(0.001)));
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let (signals, mut claimable) = tokio::sync::watch::channel(false);
-    let _watching = AbortOnDrop(tokio::spawn(watch_signals(wakes.clone(), agent_id.clone(), signals, stop.clone())));
+    let _watching =
+        AbortOnDrop(tokio::spawn(watch_signals(fleet.clone(), wakes.clone(), agent_id.clone(), signals, stop.clone())));
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
@@ -495,6 +499,7 @@ pub async fn runtime_loop(
 /// version of this tool read one signal per claim, and every 10-minute JetStream run stalled for
 /// about 25 s, ended only by the calls' 30 s deadlines.
 async fn watch_signals(
+    fleet: Arc<Fleet>,
     mut wakes: WakesClient<Channel>,
     agent_id: String,
     claimable: tokio::sync::watch::Sender<bool>,
@@ -513,7 +518,10 @@ async fn watch_signals(
                     signal = stream.message() => signal,
                 };
                 match signal {
-                    Ok(Some(signal)) => claimable.send_replace(signal.claimable),
+                    Ok(Some(signal)) => {
+                        fleet.watch_signals.fetch_add(1, Ordering::Relaxed);
+                        claimable.send_replace(signal.claimable)
+                    }
                     Ok(None) | Err(_) => break,
                 };
             }

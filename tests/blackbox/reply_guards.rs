@@ -5,7 +5,6 @@
 //! a send that would reach a person on the do-not-contact list is refused before the hold.
 
 use anima_gateway::api;
-use futures::StreamExt;
 use tonic::Code;
 
 use crate::fixture::*;
@@ -113,14 +112,6 @@ async fn slack_thread_stop(backend: Backend) {
     let refused = ingest.append(thread_stop(thread, 0)).await.expect_err("refused");
     assert_eq!(refused.code(), Code::InvalidArgument);
     assert!(refused.message().contains("occurred_at_ms"), "{}", refused.message());
-}
-
-async fn next_signal(watch: &mut tonic::Streaming<api::WatchResponse>) -> api::WatchResponse {
-    tokio::time::timeout(std::time::Duration::from_secs(10), watch.next())
-        .await
-        .expect("a signal within 10 s")
-        .expect("signal")
-        .expect("ok")
 }
 
 async fn failure_notice_owed(backend: Backend) {

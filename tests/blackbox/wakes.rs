@@ -158,6 +158,52 @@ async fn wake_delivery_on_jetstream() {
     scenario(Backend::JetStream).await;
 }
 
+/// Watch signals a queue that grows with every append at a bounded rate, not once per append (a
+/// client reading the stream pays for every signal, and unread ones hold its connection's HTTP/2
+/// window), while the change a runtime acts on still comes: the wake's finish makes a claim
+/// possible again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_signals_a_growing_queue_at_a_bounded_rate() {
+    const DMS: u32 = 60;
+    let server = Server::start(Backend::Embedded);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut wakes = server.wakes(ADA_RUNTIME_TOKEN).await;
+    ingest.append(slack_message(&["ada"], "D1", "1700000001.000100", "", "U1", "first")).await.expect("append");
+    let running = claim_and_start(&mut wakes, "ada", "w1", 0).await;
+    let mut watch = wakes.watch(api::WatchRequest { agent_id: "ada".into() }).await.expect("watch").into_inner();
+    let first = next_signal(&mut watch).await;
+    assert!(!first.claimable && first.queued == 0, "{first:?}");
+
+    // Each append waits for the fold, so every one of them changes the queue's length.
+    for dm in 0..DMS {
+        let channel = format!("D{:04}", 100 + dm);
+        let ts = format!("{}.000100", 1_700_000_100 + dm);
+        ingest.append(slack_message(&["ada"], &channel, &ts, "", "U2", "are you there?")).await.expect("append");
+    }
+    let mut signals = 0;
+    let mut signal = next_signal(&mut watch).await;
+    signals += 1;
+    while signal.queued < DMS {
+        assert!(!signal.claimable, "a wake is running: {signal:?}");
+        signal = next_signal(&mut watch).await;
+        signals += 1;
+    }
+    assert!(signals <= DMS / 2, "{signals} signals for {DMS} appends");
+
+    wakes
+        .finish(api::FinishRequest {
+            agent_id: "ada".into(),
+            worker_id: "w1".into(),
+            item_id: running.item_id,
+            outcome: api::WakeOutcome::Completed as i32,
+            ..Default::default()
+        })
+        .await
+        .expect("finish");
+    let after = next_signal(&mut watch).await;
+    assert!(after.claimable && after.queued == DMS, "{after:?}");
+}
+
 /// A Slack message's link previews reach the wake text after the trigger, escaped onto fenced
 /// lines; too many previews are refused at ingest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
