@@ -419,8 +419,6 @@ pub fn send_request(agent: &str, target: api::ReplyTarget) -> api::SendRequest {
     }
 }
 
-/// Claims the agent's oldest claimable wake (reporting `memory_md_bytes` for a memory pass) and
-/// starts it with the plan the claim gave.
 /// The next `Wakes.Watch` signal, within 10 s.
 pub async fn next_signal(watch: &mut tonic::Streaming<api::WatchResponse>) -> api::WatchResponse {
     use futures::StreamExt;
@@ -431,6 +429,8 @@ pub async fn next_signal(watch: &mut tonic::Streaming<api::WatchResponse>) -> ap
         .expect("ok")
 }
 
+/// Claims the agent's oldest claimable wake (reporting `memory_md_bytes` for a memory pass) and
+/// starts it with the plan the claim gave.
 pub async fn claim_and_start(
     wakes: &mut api::wakes_client::WakesClient<Authed>,
     agent: &str,
