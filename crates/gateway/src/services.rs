@@ -292,28 +292,30 @@ impl api::wakes_server::Wakes for Services {
             loop {
                 let signal = wake_signal(&watch.engine, &watch.agent);
                 let key = (signal.queued, signal.claimable, signal.notices_owed);
-                let due = match watch.last {
-                    None => Some(tokio::time::Instant::now()),
+                let now = tokio::time::Instant::now();
+                // Nothing to signal yet: wait for the fold, and for a held-back count, its time.
+                let held_until = match watch.last {
                     Some((last, _)) if last == key => None,
-                    Some(((_, claimable, notices), sent)) if (claimable, notices) == (key.1, key.2) => {
+                    Some(((_, claimable, notices), sent))
+                        if (claimable, notices) == (key.1, key.2) && now < sent + WATCH_QUEUED_ONLY_EVERY =>
+                    {
                         Some(sent + WATCH_QUEUED_ONLY_EVERY)
                     }
-                    Some(_) => Some(tokio::time::Instant::now()),
-                };
-                match due {
-                    Some(due) if due <= tokio::time::Instant::now() => {
-                        watch.last = Some((key, tokio::time::Instant::now()));
+                    _ => {
+                        watch.last = Some((key, now));
                         return Some((Ok(signal), watch));
                     }
-                    Some(due) => tokio::select! {
-                        _ = watch.shutdown.cancelled() => return None,
-                        changed = watch.applied.changed() => if changed.is_err() { return None },
-                        () = tokio::time::sleep_until(due) => {}
-                    },
-                    None => tokio::select! {
-                        _ = watch.shutdown.cancelled() => return None,
-                        changed = watch.applied.changed() => if changed.is_err() { return None },
-                    },
+                };
+                let held = async {
+                    match held_until {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    _ = watch.shutdown.cancelled() => return None,
+                    changed = watch.applied.changed() => if changed.is_err() { return None },
+                    () = held => {}
                 }
             }
         });
