@@ -489,11 +489,20 @@ macro_rules! state_tables {
                 }
             }
 
-            /// Lets go of up to `max` clean entries of each cold table (see [`crate::cold`]);
-            /// only while the store holds every clean entry's latest value. Returns how many
-            /// entries left memory.
+            /// Lets go of up to `max` clean entries of the cold tables (see [`crate::cold`]),
+            /// shared among them in proportion to their entries in memory; only while the store
+            /// holds every clean entry's latest value. Returns how many entries left memory.
             pub fn evict_cold(&mut self, max: usize) -> usize {
-                0 $(+ self.$cfield.evict(max))*
+                let resident = self.cold_resident_len();
+                let share = |table_resident: usize| {
+                    if max >= resident {
+                        max
+                    } else {
+                        // At least one each, so a small table is not passed over for ever.
+                        ((max as u128 * table_resident as u128).div_ceil(resident as u128) as usize).max(1)
+                    }
+                };
+                0 $(+ { let max = share(self.$cfield.resident_len()); self.$cfield.evict(max) })*
             }
 
             /// Present entries of the cold tables in memory.

@@ -831,6 +831,51 @@ fn new_messages_and_wakes_read_nothing_back_unless_the_state_was_restored() {
     assert!(identities >= 200 && settled >= 1, "restored: every new key is read ({identities}, {settled})");
 }
 
+/// Eviction is asked for a number of entries in all, which the cold tables share in proportion
+/// to what they hold in memory: the runner evicts in slices of a bounded size so that a request
+/// waiting for the state lock waits for about that much work, however many cold tables there
+/// are (each table once let go of up to the whole number asked). What is let go of is read back
+/// exactly.
+#[test]
+fn eviction_lets_go_of_about_as_many_entries_as_asked_across_the_cold_tables() {
+    let mut kept = Scenario::new();
+    let mut evicting = Scenario { evict_always: false, ..Scenario::evicting(false) };
+    for n in 0..400u64 {
+        let ts = format!("{}.000100", 1_600_000_000 + n);
+        let channel = format!("D{}", n % 40);
+        for scenario in [&mut kept, &mut evicting] {
+            scenario.log.fold(dm_from_human("anna", &channel, &ts, "x"));
+        }
+    }
+    evicting.checkpoint();
+    let resident = evicting.log.state.cold_resident_len();
+    assert!(resident > 1_000, "{resident} cold entries in memory: too few to share a slice");
+    // Identities, their order, journal rows, settled ids and their order.
+    const COLD_TABLES: usize = 5;
+    let asked = 100;
+    let mut slices = 0;
+    while evicting.log.state.cold_resident_len() > 0 {
+        let before = evicting.log.state.cold_resident_len();
+        let let_go = evicting.log.state.evict_cold(asked);
+        // Each table's share is rounded up, and every table is asked for one at least.
+        assert!(let_go <= asked + COLD_TABLES, "asked for {asked}, {let_go} left memory");
+        assert_eq!(evicting.log.state.cold_resident_len(), before - let_go);
+        slices += 1;
+        assert!(slices <= resident, "eviction stopped letting entries go");
+    }
+    assert!(slices >= resident / (asked + COLD_TABLES), "{slices} slices let {resident} entries go");
+    for n in 0..40u64 {
+        let ts = format!("{}.000200", 1_600_000_000 + n);
+        for scenario in [&mut kept, &mut evicting] {
+            scenario.log.fold(dm_from_human("anna", &format!("D{n}"), &ts, "y"));
+        }
+    }
+    for seq in 1..=kept.log.events.len() as u64 {
+        assert_eq!(kept.log.state.verdict(seq), evicting.log.state.verdict(seq), "verdict of seq {seq}");
+    }
+    assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
+}
+
 #[test]
 fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
     settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_when(false);
