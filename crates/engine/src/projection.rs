@@ -374,6 +374,8 @@ const EVICTED_PER_SLICE_MAX: usize = 2_048;
 struct Eviction {
     /// Entries still to let go of, from the last estimate.
     owed: usize,
+    /// Keys the hands looked at, at most, since a slice last let an entry go.
+    looked_in_vain: usize,
     /// Since the last estimate: entries let go of, slices, and the longest hold of the lock.
     let_go: usize,
     slices: usize,
@@ -384,34 +386,54 @@ impl Eviction {
     /// Estimates the state's memory (the gauge shows it) and how many cold entries must leave
     /// memory to bring it under `state_bytes_max`.
     fn measure(&mut self, projection: &Projection, state_bytes_max: usize) {
+        let (estimate, resident, keys) = {
+            let state = projection.state();
+            (state.memory_estimate_bytes(), state.cold_resident_len(), state.cold_keys_len())
+        };
         if self.slices > 0 {
             tracing::debug!(
                 let_go = self.let_go,
                 slices = self.slices,
                 longest_ms = self.longest.as_secs_f64() * 1e3,
+                resident,
+                known_absent = keys - resident,
                 "cold state entries left memory"
             );
         }
-        let estimate = projection.state().memory_estimate_bytes();
         projection.state_estimate_bytes.store(estimate as u64, Ordering::Relaxed);
         let over = estimate > state_bytes_max || state_bytes_max == 0;
         let over_entries = (estimate - state_bytes_max.min(estimate)) / anima_projections::state::COLD_ENTRY_BYTES + 1;
         *self = Eviction { owed: if over { over_entries } else { 0 }, ..Eviction::default() };
     }
 
-    /// Lets one slice of the entries owed leave memory. A slice that lets nothing go (the
-    /// entries its hands looked at all changed since the checkpoint or used since they last
-    /// passed) ends the round until the next estimate, at the next landed checkpoint.
+    /// Lets one slice of the entries owed leave memory. A slice may let nothing go (the entries
+    /// its hands looked at all changed since the checkpoint or used since they last passed, as
+    /// every entry is when the state first reaches its budget); the round goes on until the
+    /// hands have looked at twice the keys in memory without letting one go, and then waits for
+    /// the next estimate, at the next landed checkpoint.
     fn slice(&mut self, projection: &Projection) {
         if self.owed == 0 {
             return;
         }
+        let asked = self.owed.min(EVICTED_PER_SLICE_MAX);
         let started = Instant::now();
-        let let_go = projection.state().evict_cold(self.owed.min(EVICTED_PER_SLICE_MAX));
+        let (let_go, keys) = {
+            let mut state = projection.state();
+            let let_go = state.evict_cold(asked);
+            (let_go, state.cold_keys_len())
+        };
         self.longest = self.longest.max(started.elapsed());
         self.slices += 1;
         self.let_go += let_go;
-        self.owed = if let_go == 0 { 0 } else { self.owed.saturating_sub(let_go) };
+        if let_go == 0 {
+            self.looked_in_vain += asked * anima_projections::cold::EVICTION_STEPS_PER_ENTRY;
+            if self.looked_in_vain >= 2 * keys {
+                self.owed = 0;
+            }
+        } else {
+            self.looked_in_vain = 0;
+            self.owed = self.owed.saturating_sub(let_go);
+        }
         let left = projection
             .state_estimate_bytes
             .load(Ordering::Relaxed)
