@@ -831,6 +831,39 @@ fn new_messages_and_wakes_read_nothing_back_unless_the_state_was_restored() {
     assert!(identities >= 200 && settled >= 1, "restored: every new key is read ({identities}, {settled})");
 }
 
+/// A lookup that found nothing keeps its key in memory, known absent, until the clock's hand
+/// passes it unused; eviction shares its slices by all the keys each cold table holds, so the
+/// hand of a table of mostly known-absent keys (here the settled ids: every queued wake asks
+/// whether its item settled before) comes round at the pace of the others. Shared by present
+/// entries alone, it got the smallest slice and its keys piled up.
+#[test]
+fn known_absent_keys_leave_memory_at_the_pace_of_the_other_tables() {
+    let mut evicting = Scenario { evict_always: false, ..Scenario::evicting(false) };
+    let dm = |n: u64| dm_from_human("anna", &format!("D{}", n % 40), &format!("{}.000100", 1_600_000_000 + n), "x");
+    for n in 0..100 {
+        evicting.log.fold(dm(n));
+    }
+    evicting.checkpoint();
+    // The first eviction ends the tables' completeness: from then on a lookup that finds nothing
+    // keeps its key.
+    evicting.log.state.evict_cold(1);
+    for n in 100..2_100 {
+        evicting.log.fold(dm(n));
+    }
+    evicting.checkpoint();
+    let state = &mut evicting.log.state;
+    let known_absent = |state: &State| state.cold_keys_len() - state.cold_resident_len();
+    let before = known_absent(state);
+    assert!(before >= 1_000, "{before} known-absent keys: too few to show anything");
+    // Slices of 100 until the hands together looked at four times the keys in memory.
+    let keys = state.cold_keys_len();
+    for _ in 0..(4 * keys).div_ceil(100 * anima_projections::cold::EVICTION_STEPS_PER_ENTRY) {
+        state.evict_cold(100);
+    }
+    let after = known_absent(state);
+    assert!(after <= before / 10, "{after} of {before} known-absent keys still in memory");
+}
+
 /// Eviction is asked for a number of entries in all, which the cold tables share in proportion
 /// to what they hold in memory: the runner evicts in slices of a bounded size so that a request
 /// waiting for the state lock waits for about that much work, however many cold tables there
