@@ -66,6 +66,11 @@ pub fn check_binary(binary: &Path) -> anyhow::Result<()> {
 }
 
 impl EngineProcess {
+    /// The process id of the `nats-server` the tool started for this run, if it did.
+    pub fn nats_pid(&self) -> Option<u32> {
+        self.nats.as_ref().and_then(NatsServer::pid)
+    }
+
     /// Starts `binary serve` with a config of no agents (the load registers its agents through
     /// `Ingest.Append`) and waits until it serves.
     pub async fn start(

@@ -105,6 +105,10 @@ struct Args {
     /// Write a self-contained SVG chart of the run (ops/s, Send p99, fold lag, RSS) here.
     #[arg(long)]
     chart: Option<PathBuf>,
+    /// Print every call that took this long or longer (milliseconds; 0: none) on stderr, with
+    /// the UTC time it was answered, to match with the engine's and nats-server's logs.
+    #[arg(long, default_value_t = 100)]
+    slow_call_ms: u64,
 }
 
 impl Args {
@@ -151,6 +155,10 @@ struct Sample {
     /// CPU seconds used so far by the engine and by this tool.
     engine_cpu_seconds: Option<f64>,
     load_cpu_seconds: Option<f64>,
+    /// The `nats-server` the tool started, if it did: its RSS and CPU seconds so far. Its heap
+    /// holds the stream's duplicate-window index (every msg id of the last 10 minutes).
+    nats_rss_kib: Option<u64>,
+    nats_cpu_seconds: Option<f64>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -230,12 +238,19 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     workload::register_agents(&fleet, channels[0].clone()).await?;
 
     let stop = CancellationToken::new();
-    let recorder = Arc::new(Recorder::default());
+    let slow_call = (args.slow_call_ms > 0).then(|| Duration::from_millis(args.slow_call_ms));
+    let recorder = Arc::new(Recorder::new(slow_call));
     let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
     let started = Instant::now();
     let mut tasks = JoinSet::new();
     spawn_load(args, &fleet, &channels, &stop, &recorder, &mut tasks);
-    let sampler = tokio::spawn(sample_engine(engine.pid, engine.metrics_addr, started, stop.clone(), samples.clone()));
+    let sampler = tokio::spawn(sample_engine(
+        (engine.pid, engine.nats_pid()),
+        engine.metrics_addr,
+        started,
+        stop.clone(),
+        samples.clone(),
+    ));
     eprintln!(
         "anima-load: {} s of load: {} agents, {} surfaces, ingest {}/s over {} streams, wakes ≤ {}/s, \
          sends {}/s over {} loops, Counts every {} s, StateAt every {} s",
@@ -393,7 +408,7 @@ fn spawn_load(
 
 /// Probes `/metrics` and the engine's RSS every [`SAMPLE_INTERVAL`] until `stop`.
 async fn sample_engine(
-    pid: u32,
+    (pid, nats_pid): (u32, Option<u32>),
     metrics_addr: std::net::SocketAddr,
     started: Instant,
     stop: CancellationToken,
@@ -413,6 +428,8 @@ async fn sample_engine(
             rss_kib: engine::rss_kib(pid),
             engine_cpu_seconds: engine::cpu_seconds(&pid.to_string()),
             load_cpu_seconds: engine::cpu_seconds("self"),
+            nats_rss_kib: nats_pid.and_then(engine::rss_kib),
+            nats_cpu_seconds: nats_pid.and_then(|pid| engine::cpu_seconds(&pid.to_string())),
         };
         samples.lock().expect("samples lock").push(sample);
     }
@@ -629,6 +646,18 @@ impl Report {
                     "fold state (its own estimate, what the budget holds down): last {:.0} MiB of its {:.0} MiB budget\n",
                     fold.state_estimate_bytes as f64 / (1024.0 * 1024.0),
                     fold.state_budget_bytes as f64 / (1024.0 * 1024.0)
+                ));
+            }
+            let nats: Vec<(f64, u64, f64)> =
+                samples.iter().filter_map(|s| Some((s.at_seconds, s.nats_rss_kib?, s.nats_cpu_seconds?))).collect();
+            if let (Some(&(t0, first, cpu0)), Some(&(t1, last, cpu1))) = (nats.first(), nats.last()) {
+                out.push_str(&format!(
+                    "nats-server (started by the tool): RSS first {:.0} MiB, last {:.0} MiB, max {:.0} MiB; \
+                     CPU {:.0}% of a core\n",
+                    first as f64 / 1024.0,
+                    last as f64 / 1024.0,
+                    nats.iter().map(|&(_, r, _)| r).max().unwrap_or(0) as f64 / 1024.0,
+                    (cpu1 - cpu0) / (t1 - t0).max(0.001) * 100.0
                 ));
             }
             out.push_str(&format!(

@@ -111,10 +111,24 @@ pub struct Recorder {
     current: Mutex<Window>,
     /// The first message seen per (RPC, code), for the summary: a count alone does not say why.
     first_messages: Mutex<BTreeMap<(Rpc, String), String>>,
+    /// Calls this slow or slower are printed as they are recorded.
+    slow_call: Option<Duration>,
 }
 
 impl Recorder {
+    pub fn new(slow_call: Option<Duration>) -> Recorder {
+        Recorder { slow_call, ..Recorder::default() }
+    }
+
     pub fn ok(&self, rpc: Rpc, latency: Duration) {
+        if self.slow_call.is_some_and(|slow| latency >= slow) {
+            eprintln!(
+                "slow call: {} {:.1} ms, answered at {}",
+                rpc.name(),
+                latency.as_secs_f64() * 1e3,
+                jiff::Timestamp::now().round(jiff::Unit::Millisecond).unwrap_or_else(|_| jiff::Timestamp::now())
+            );
+        }
         let micros = u32::try_from(latency.as_micros()).unwrap_or(u32::MAX);
         self.current.lock().expect("recorder lock").rpcs[rpc.index()].latencies_us.push(micros);
     }

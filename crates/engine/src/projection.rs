@@ -96,6 +96,39 @@ pub struct Projection {
     state_budget_bytes: u64,
 }
 
+/// A hold of the state lock this long or longer is logged (debug), with where it was taken: the
+/// slowest Send the load targets allow is 25 ms, and a hold of this length is most of it.
+pub const STATE_LOCK_HELD_LOGGED: Duration = Duration::from_millis(20);
+
+/// The state, locked ([`Projection::state`]); logs its own hold when it was long.
+pub struct StateGuard<'a> {
+    guard: MutexGuard<'a, State>,
+    since: Instant,
+    taken_at: &'static std::panic::Location<'static>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.guard
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        let held = self.since.elapsed();
+        if held >= STATE_LOCK_HELD_LOGGED {
+            tracing::debug!(held_ms = held.as_secs_f64() * 1e3, taken_at = %self.taken_at, "state lock held long");
+        }
+    }
+}
+
 /// Errors of waiting for the fold.
 #[derive(Debug, thiserror::Error)]
 pub enum WaitError {
@@ -111,9 +144,12 @@ pub enum WaitError {
 
 impl Projection {
     /// Locks the state for reading (or for the runner, applying). Keep the guard short and never
-    /// across an await.
-    pub fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// across an await: every request waiting for its verdict waits for it. A guard held
+    /// [`STATE_LOCK_HELD_LOGGED`] or longer is logged (debug) with the place that took it.
+    #[track_caller]
+    pub fn state(&self) -> StateGuard<'_> {
+        let guard = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        StateGuard { guard, since: Instant::now(), taken_at: std::panic::Location::caller() }
     }
 
     /// The state's memory by its own estimate (bytes, as of the runner's last look: at start and
@@ -442,10 +478,6 @@ impl Eviction {
     }
 }
 
-/// A batch that holds the state lock at least this long is logged (debug): every request waiting
-/// for its verdict waits on it.
-const SLOW_BATCH: Duration = Duration::from_millis(50);
-
 fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
     let mut bodies = Vec::new();
     // Decoding and redacting need no state: done before the lock, so requests reading state
@@ -480,13 +512,9 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
             }
             analytics.observe_redacted(event, state.verdict(record.seq));
         }
-        let held = locked.elapsed();
-        if held >= SLOW_BATCH {
-            tracing::debug!(
-                events = batch.len(),
-                held_ms = held.as_secs_f64() * 1e3,
-                "slow fold batch (state lock held)"
-            );
+        if locked.elapsed() >= STATE_LOCK_HELD_LOGGED {
+            // The guard logs the hold itself; this says how many events it was.
+            tracing::debug!(events = batch.len(), "slow fold batch");
         }
         batch.last().map(|r| r.seq)
     };
