@@ -73,12 +73,12 @@ impl NatsServer {
         }
     }
 
-    /// `nats://127.0.0.1:<port>`.
     /// The server's process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.id()
     }
 
+    /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

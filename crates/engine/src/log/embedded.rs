@@ -124,7 +124,7 @@ const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
 const PRUNE_PER_COMMIT_MIN: usize = 256;
 /// A group commit at least this long is logged (debug), with how long its planning and its
 /// flush took: every append of the group, and every request behind it, waits for it. Under
-/// `anima-load` the commits over this bound were flushes (`fsync` of the log's file) of 40–100 ms
+/// `anima-load` the commits over this bound were flushes (`fsync` of the log's file) of 41–81 ms
 /// after an `apply_batch` of under a millisecond.
 const SLOW_COMMIT: Duration = Duration::from_millis(25);
 
