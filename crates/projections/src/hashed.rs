@@ -34,6 +34,66 @@ fn shard_of<K: std::hash::Hash + ?Sized>(key: &K) -> usize {
 
 const _: () = assert!(SHARDS == 1 << (64 - 58));
 
+/// A hashed map in [`SHARDS`] shards, looked up by key only: for an index that only grows, so
+/// that a growth moves one shard's entries, not the whole map's.
+#[derive(Clone, Debug)]
+pub struct ShardedMap<K, V> {
+    shards: Box<[HashedMap<K, V>]>,
+    len: usize,
+}
+
+/// A key always falls in the same shard, so two maps of the same entries have equal shards.
+impl<K: std::hash::Hash + Eq, V: PartialEq> PartialEq for ShardedMap<K, V> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.shards == other.shards
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V: Eq> Eq for ShardedMap<K, V> {}
+
+impl<K, V> Default for ShardedMap<K, V> {
+    fn default() -> Self {
+        ShardedMap { shards: (0..SHARDS).map(|_| HashedMap::default()).collect(), len: 0 }
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V> ShardedMap<K, V> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Looks `key` up borrowed: a borrowed form hashes as the key does (the `Borrow` contract),
+    /// so it finds the same shard.
+    pub fn get<Q>(&self, key: &Q) -> Option<&V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: std::hash::Hash + Eq + ?Sized,
+    {
+        self.shards[shard_of(key)].get(key)
+    }
+
+    /// Inserts or replaces; returns the value replaced.
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        let old = self.shards[shard_of(&key)].insert(key, value);
+        if old.is_none() {
+            self.len += 1;
+        }
+        old
+    }
+
+    /// Makes room for about `additional` more keys, spread evenly over the shards.
+    pub fn reserve(&mut self, additional: usize) {
+        let each = additional.div_ceil(SHARDS);
+        for shard in self.shards.iter_mut() {
+            shard.reserve(each);
+        }
+    }
+}
+
 /// A hashed map whose entries also have a place (shard, index), for a table that walks its
 /// entries from where it stopped (the cold tables' clock). Sharded: see [`SHARDS`]. A place
 /// changes when an entry of its shard is removed (the shard's last entry takes it).
@@ -205,6 +265,33 @@ mod tests {
         // shard for every key, makes this far larger.
         assert!(largest_move <= 125, "a growth moved {largest_move}% of an even shard's share");
         assert!(map.shards.iter().all(|shard| !shard.is_empty()));
+    }
+
+    /// The interners' index: every key is found by its borrowed form (an agent id as `&str`),
+    /// and no growth moves more than about one shard's share (unsharded, the interner of
+    /// surfaces moved all of them at each power of two, under the state lock).
+    #[test]
+    fn a_sharded_map_finds_borrowed_keys_and_grows_one_shard_at_a_time() {
+        let mut map: ShardedMap<String, u32> = ShardedMap::default();
+        let mut largest_move = 0;
+        for i in 0..200_000u32 {
+            let key = format!("slack:T1/C{}/1733150000.{i:06}", i % 400);
+            let shard = shard_of(&key);
+            let (capacity, moved) = (map.shards[shard].capacity(), map.shards[shard].len());
+            assert_eq!(map.insert(key, i), None);
+            if map.shards[shard].capacity() != capacity && map.len() >= 20_000 {
+                largest_move = largest_move.max(moved * SHARDS * 100 / map.len());
+            }
+        }
+        assert_eq!(map.len(), 200_000);
+        assert!(largest_move <= 125, "a growth moved {largest_move}% of an even shard's share");
+        for i in (0..200_000u32).step_by(997) {
+            let key = format!("slack:T1/C{}/1733150000.{i:06}", i % 400);
+            assert_eq!(map.get(key.as_str()), Some(&i), "{key}");
+        }
+        assert_eq!(map.get("slack:T1/C0/never"), None);
+        assert_eq!(map.insert("slack:T1/C0/1733150000.000000".to_owned(), 7), Some(0));
+        assert_eq!(map.len(), 200_000, "a replaced key is not counted twice");
     }
 
     #[test]

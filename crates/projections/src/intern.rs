@@ -53,12 +53,17 @@ impl InternKey for AgentKey {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Interner<K: InternKey, V: Ord + Clone + Hash> {
     values: Table<K, V>,
-    keys: crate::hashed::HashedMap<V, K>,
+    /// Sharded: a table of every surface ever written for grows with the history (a mention in
+    /// a channel subscribes its agent to a new thread), and unsharded its growths moved every
+    /// entry at once, under the state lock: a fold batch of a few dozen events held it 44–322 ms
+    /// under `anima-load`, mostly the kernel faulting in the new table (see README, "This stop:
+    /// what the slow calls are").
+    keys: crate::hashed::ShardedMap<V, K>,
 }
 
 impl<K: InternKey, V: Ord + Clone + Hash> Default for Interner<K, V> {
     fn default() -> Self {
-        Interner { values: Table::default(), keys: crate::hashed::HashedMap::default() }
+        Interner { values: Table::default(), keys: crate::hashed::ShardedMap::default() }
     }
 }
 
