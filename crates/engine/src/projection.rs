@@ -107,6 +107,13 @@ pub struct StateGuard<'a> {
     taken_at: &'static std::panic::Location<'static>,
 }
 
+impl StateGuard<'_> {
+    /// How long the lock has been held so far.
+    pub fn held(&self) -> Duration {
+        self.since.elapsed()
+    }
+}
+
 impl std::ops::Deref for StateGuard<'_> {
     type Target = State;
     fn deref(&self) -> &State {
@@ -122,7 +129,7 @@ impl std::ops::DerefMut for StateGuard<'_> {
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        let held = self.since.elapsed();
+        let held = self.held();
         if held >= STATE_LOCK_HELD_LOGGED {
             tracing::debug!(held_ms = held.as_secs_f64() * 1e3, taken_at = %self.taken_at, "state lock held long");
         }
@@ -496,7 +503,6 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
         })
         .collect();
     let last = {
-        let locked = Instant::now();
         let mut state = projection.state();
         let mut analytics = projection.analytics();
         for (record, (envelope, event)) in batch.iter().zip(decoded) {
@@ -512,7 +518,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
             }
             analytics.observe_redacted(event, state.verdict(record.seq));
         }
-        if locked.elapsed() >= STATE_LOCK_HELD_LOGGED {
+        if state.held() >= STATE_LOCK_HELD_LOGGED {
             // The guard logs the hold itself; this says how many events it was.
             tracing::debug!(events = batch.len(), "slow fold batch");
         }

@@ -55,7 +55,7 @@ pub struct Interner<K: InternKey, V: Ord + Clone + Hash> {
     values: Table<K, V>,
     /// Sharded: a table of every surface ever written for grows with the history (a mention in
     /// a channel subscribes its agent to a new thread), and unsharded its growths moved every
-    /// entry at once, under the state lock: a fold batch of a few dozen events held it 44–322 ms
+    /// entry at once, under the state lock: a fold batch of a few dozen events held it 44–235 ms
     /// under `anima-load`, mostly the kernel faulting in the new table (see README, "This stop:
     /// what the slow calls are").
     keys: crate::hashed::ShardedMap<V, K>,
