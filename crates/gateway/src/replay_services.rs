@@ -318,7 +318,7 @@ pub fn state_at_response(
             subscriptions: state
                 .subscriptions_of(agent)
                 .into_iter()
-                .map(|(surface, subscription)| format!("{surface}: {}", json(subscription)))
+                .map(|(surface, subscription)| format!("{surface}: {}", json(&subscription)))
                 .collect(),
             memory_gate: describe_memory_gate(&state.memory_gate(agent)),
         }

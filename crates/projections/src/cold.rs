@@ -336,6 +336,60 @@ where
         old
     }
 
+    /// The value of `key` to change in place, brought in from the store first and created with
+    /// its default if absent; marked changed whether or not the caller changes it.
+    pub fn entry_or_default(&mut self, tag: u8, key: &K, cold: &Cold) -> &mut V
+    where
+        V: Default,
+    {
+        self.ensure(tag, key, cold);
+        if !self.dirty.contains(key) {
+            self.dirty.insert(key.clone());
+        }
+        let created = match self.map.get_mut(key) {
+            Some(entry) => {
+                entry.used = true;
+                entry.value.is_none()
+            }
+            None => {
+                // A complete table holds no known-absent keys: the key is new.
+                self.map.insert(key.clone(), Entry::new(None));
+                true
+            }
+        };
+        let entry = self.map.get_mut(key).expect("the key was just put in memory");
+        if created {
+            self.present += 1;
+        }
+        entry.value.get_or_insert_with(V::default)
+    }
+
+    /// Every entry whose key is in `range`, in memory or in the store, in key order, without
+    /// keeping what it reads (for tools and list calls that hold the state shared). `prefix`:
+    /// the checkpoint-key bytes (tag included) that every stored key of the range starts with,
+    /// so that only those are scanned. The entries in memory are all looked at: the cost
+    /// follows the table's memory, which the budget bounds, not the history.
+    pub fn range_entries(&self, prefix: &[u8], range: impl std::ops::RangeBounds<K>, cold: &Cold) -> Vec<(K, V)>
+    where
+        V: Clone,
+    {
+        let mut out: BTreeMap<K, Option<V>> = BTreeMap::new();
+        if !self.complete {
+            for (stored_key, bytes) in cold.scan(prefix) {
+                let (key, value) = Self::decode_stored(&stored_key, &bytes);
+                if range.contains(&key) {
+                    out.insert(key, Some(value));
+                }
+            }
+        }
+        for (key, entry) in self.map.iter() {
+            if range.contains(key) {
+                out.insert(key.clone(), entry.value.clone());
+            }
+        }
+        out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
+    }
+
     /// Removes `key` whether or not it is in memory (no read of the store): the next checkpoint
     /// removes it there too.
     pub fn forget(&mut self, key: K) {
@@ -420,17 +474,7 @@ where
     where
         V: Clone,
     {
-        let mut out: BTreeMap<K, Option<V>> = BTreeMap::new();
-        if !self.complete {
-            for (stored_key, bytes) in cold.scan(&[tag]) {
-                let (key, value) = Self::decode_stored(&stored_key, &bytes);
-                out.insert(key, Some(value));
-            }
-        }
-        for (key, entry) in self.map.iter() {
-            out.insert(key.clone(), entry.value.clone());
-        }
-        out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
+        self.range_entries(&[tag], .., cold)
     }
 
     /// The checkpoint keys changed since the last call, with their current value (`None`:

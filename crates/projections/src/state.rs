@@ -21,9 +21,10 @@ use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
 /// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
-/// agent) and checkpointed in pages of surfaces) and decision rules. A checkpoint
-/// taken by another version is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 18;
+/// agent) and checkpointed in pages of surfaces; 19: subscriptions are a cold table, left in
+/// the store at a restore) and decision rules. A checkpoint taken by another version is
+/// discarded and state is rebuilt from the log.
+pub const FOLD_VERSION: u32 = 19;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -162,7 +163,9 @@ pub struct State {
     pub settled_order: ColdTable<(AgentKey, u64), (u64, String), crate::wake::SettledSlots>,
     pub verdicts: crate::verdict_window::VerdictWindow,
     /// (agent, channel or thread surface) → membership, follow, mute and attention counters.
-    pub subscriptions: Table<AgentSurface, Subscription>,
+    /// Cold: every mention starts a thread the agent follows, so this table grows with the
+    /// history; the subscriptions of idle threads leave memory under the budget.
+    pub subscriptions: ColdTable<AgentSurface, Subscription>,
     /// Chat user ids → the agent they belong to.
     pub chat_identities: Table<String, String>,
     /// A chat's top-level surface → whether it is one-to-one, as its newest observation said.
@@ -550,7 +553,6 @@ state_tables! {
     3 => journals paged,
     6 => cursors paged,
     // 9 held the settle order before `settled` kept it in its key.
-    11 => subscriptions,
     12 => chat_identities,
     13 => chat_kinds paged,
     14 => linear_receipts,
@@ -576,6 +578,7 @@ state_tables! {
     JOURNAL_ROWS_TAG => journal_rows,
     SETTLED_IDS_TAG => settled_ids,
     SETTLED_ORDER_TAG => settled_order,
+    SUBSCRIPTIONS_TAG => subscriptions,
 }
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
@@ -621,6 +624,7 @@ pub(crate) const IDENTITIES_TAG: u8 = 4;
 pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
 pub(crate) const SETTLED_IDS_TAG: u8 = 33;
 pub(crate) const SETTLED_ORDER_TAG: u8 = 34;
+pub(crate) const SUBSCRIPTIONS_TAG: u8 = 11;
 use crate::journal::JOURNAL_ROWS_TAG;
 
 /// What [`State::canonical_encode`] gathers before handing bytes on.
@@ -821,7 +825,6 @@ impl State {
             + self.journals.len()
             + self.cursors.len()
             + self.verdicts.len()
-            + self.subscriptions.len()
             + self.chat_identities.len()
             + self.chat_kinds.len()
             + self.linear_receipts.len() * 2
@@ -942,6 +945,7 @@ mod kept_verdict_tests {
             crate::journal::JOURNAL_ROWS_TAG,
             SETTLED_IDS_TAG,
             SETTLED_ORDER_TAG,
+            SUBSCRIPTIONS_TAG,
         ] {
             tail.extend([tag, 0]);
         }

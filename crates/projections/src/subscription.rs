@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::intern::{AgentKey, SurfaceKey};
 use crate::journal::RowMeta;
 use crate::proto;
-use crate::state::{LogPosition, State};
+use crate::state::{LogPosition, State, SUBSCRIPTIONS_TAG};
 use crate::surface::SurfaceId;
 // The note types are plain values the text writer shows: they live with it.
 pub use crate::text::{AttentionNote, NoteKind};
@@ -188,28 +188,36 @@ pub struct Routed {
 }
 
 impl State {
-    pub fn subscription(&self, agent: &str, surface: &SurfaceId) -> Option<&Subscription> {
-        self.subscription_by_key(self.agent_keys.key(agent)?, surface)
+    /// The subscription of `agent` on `surface`, from memory or read from the store without
+    /// keeping it (for tools and list calls that hold the state shared).
+    pub fn subscription(&self, agent: &str, surface: &SurfaceId) -> Option<Subscription> {
+        let key = (self.agent_keys.key(agent)?, self.surfaces.key(surface)?);
+        self.subscriptions.read_through(SUBSCRIPTIONS_TAG, &key, &self.cold)
     }
 
-    fn subscription_by_key(&self, agent: AgentKey, surface: &SurfaceId) -> Option<&Subscription> {
-        self.subscriptions.get(&(agent, self.surfaces.key(surface)?))
+    /// The subscription the fold reads, brought into memory first if it left.
+    fn subscription_by_key(&mut self, agent: AgentKey, surface: &SurfaceId) -> Option<&Subscription> {
+        let key = (agent, self.surfaces.key(surface)?);
+        self.subscriptions.ensure(SUBSCRIPTIONS_TAG, &key, &self.cold);
+        self.subscriptions.get(&key)
     }
 
     fn subscription_mut(&mut self, agent: AgentKey, surface: &SurfaceId) -> &mut Subscription {
         let surface = self.surfaces.intern(surface);
-        self.subscriptions.entry_or_default((agent, surface))
+        self.subscriptions.entry_or_default(SUBSCRIPTIONS_TAG, &(agent, surface), &self.cold)
     }
 
-    /// Every subscription of `agent`, in surface order.
-    pub fn subscriptions_of(&self, agent: &str) -> Vec<(&SurfaceId, &Subscription)> {
+    /// Every subscription of `agent`, in surface order, from memory and the store.
+    pub fn subscriptions_of(&self, agent: &str) -> Vec<(SurfaceId, Subscription)> {
         let Some(agent) = self.agent_keys.key(agent) else { return Vec::new() };
+        let prefix = crate::state::tagged(SUBSCRIPTIONS_TAG, &agent);
         let mut entries: Vec<_> = self
             .subscriptions
-            .range((agent, SurfaceKey(0))..=(agent, SurfaceKey(u32::MAX)))
-            .map(|((_, surface), subscription)| (self.surfaces.value(*surface), subscription))
+            .range_entries(&prefix, (agent, SurfaceKey(0))..=(agent, SurfaceKey(u32::MAX)), &self.cold)
+            .into_iter()
+            .map(|((_, surface), subscription)| (self.surfaces.value(surface).clone(), subscription))
             .collect();
-        entries.sort_by(|a, b| a.0.cmp(b.0));
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries
     }
 
@@ -342,7 +350,10 @@ impl State {
                 format!("chat_target: {surface} is a p2p chat; p2p chats cannot be muted"),
             );
         }
-        let current = self.subscription(&request.agent_id, &surface).is_some_and(|s| s.muted);
+        let current = match self.agent_keys.key(&request.agent_id) {
+            Some(agent) => self.subscription_by_key(agent, &surface).is_some_and(|s| s.muted),
+            None => false,
+        };
         if !request.mute && !current {
             return refused(RefusalKind::FailedPrecondition, format!("{surface} is not muted; nothing to unmute"));
         }

@@ -1357,7 +1357,6 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
         cursors,
         queues,
         verdicts,
-        subscriptions,
         chat_identities,
         chat_kinds,
         linear_receipts,
@@ -1383,7 +1382,7 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
             }
         )*};
     }
-    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order);
+    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions);
     if live.surfaces != rebuilt.surfaces || live.agent_keys != rebuilt.agent_keys {
         out.push("interned keys".to_owned());
     }

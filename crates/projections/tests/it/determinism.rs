@@ -809,6 +809,45 @@ fn identities_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory_
     assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stayed in memory");
 }
 
+/// Every mention starts a thread its agent follows, so the subscriptions grow with the history
+/// and leave memory under the budget like the other cold tables. A thread followed long ago
+/// still wakes its follower, and the agent's list still shows every thread, read back from the
+/// store; verdicts and state are those of a fold that kept everything.
+#[test]
+fn subscriptions_that_left_memory_still_route_and_are_listed() {
+    use anima_projections::subscription::Route;
+    use anima_projections::wake::WakeReason;
+    for restored in [false, true] {
+        let mut kept = Scenario::new();
+        let mut evicting = Scenario::evicting(restored);
+        let (bot_user, _) = identities(0, false);
+        let mention = |n: u64| message("anna", "C1", &ts(n)).by_user("U1", "Uma").text(&format!("<@{bot_user}> look"));
+        for n in 0..40 {
+            kept.log.fold(mention(n));
+            evicting.log.fold(mention(n));
+            evicting.checkpoint();
+            evicting.log.state.evict_cold(usize::MAX);
+        }
+        assert_eq!(evicting.log.state.subscriptions.resident_len(), 0, "the subscriptions left memory");
+        let listed = kept.log.state.subscriptions_of("anna");
+        assert_eq!(listed.len(), 41, "the channel and the 40 threads: {listed:?}");
+        assert_eq!(evicting.log.state.subscriptions_of("anna"), listed, "listed from the store alike");
+        // A reply in the first thread, followed 40 mentions ago: a follow wake in both folds.
+        let reply = message("anna", "C1", &ts(100)).by_user("U1", "Uma").text("and this").in_thread(&ts(0));
+        kept.log.fold(reply.clone());
+        let seq = evicting.log.fold(reply);
+        let route = match evicting.log.state.verdict(seq) {
+            Some(Verdict::Journaled(journaled)) => journaled.route,
+            other => panic!("not journaled: {other:?}"),
+        };
+        assert_eq!(route, Some(Route::Wake(WakeReason::ThreadFollow)), "restored: {restored}");
+        for seq in 1..=kept.log.events.len() as u64 {
+            assert_eq!(kept.log.state.verdict(seq), evicting.log.state.verdict(seq), "verdict of seq {seq}");
+        }
+        assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
+    }
+}
+
 /// A state that started empty reads no identity and no settled id back for a message and a
 /// wake it never saw, however much it let go of: it counts what it let go of. A restored state
 /// cannot know what its checkpoint holds and reads each one (which is what makes this fail if
