@@ -17,7 +17,9 @@ use sha2::{Digest, Sha256};
 use crate::journal::row_meta;
 use crate::proto;
 use crate::row::BodyRef;
-use crate::state::{LogPosition, State};
+use crate::state::{
+    LogPosition, State, LINEAR_RECEIPTS_TAG, LINEAR_RECEIPT_ORDER_TAG, LINEAR_SESSIONS_TAG, LINEAR_SESSION_ORDER_TAG,
+};
 use crate::surface::{linear_receipt_identity, LinearReceiptKind, SurfaceId};
 use crate::time::log_seconds;
 use crate::verdict::refused;
@@ -29,10 +31,28 @@ pub const LINEAR_RECEIPTS_MAX: usize = 65_536;
 /// Linear responses remembered, oldest forgotten first. A forgotten response's key can be used
 /// again; a forgotten unknown one no longer blocks (it is then weeks old at the rates expected).
 pub const LINEAR_RESPONSES_MAX: usize = 65_536;
-/// Linear sessions remembered per (agent, session) for the check that a response answers a
-/// session the agent received; the session with the oldest receipt is forgotten first (and can
-/// then no longer be answered: at the rates expected it is then weeks old).
+/// Receipts of Linear sessions remembered, per (agent, session), for the check that a response
+/// answers a session the agent received: a session is forgotten once this many receipts came
+/// after its newest one (it can then no longer be answered; at the rates expected it is then
+/// weeks old). A session received again counts once, at its newest receipt.
 pub const LINEAR_SESSIONS_MAX: usize = 65_536;
+/// The window of receipts is checkpointed in slots: receipt number `n` takes slot
+/// `n % LINEAR_RECEIPTS_MAX`, overwriting the receipt it pushes out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReceiptSlots;
+
+impl crate::cold::Slots<u64, (u64, String)> for ReceiptSlots {
+    fn slot(number: &u64) -> u64 {
+        number % LINEAR_RECEIPTS_MAX as u64
+    }
+    fn holds(number: &u64, &(stored, _): &(u64, String)) -> bool {
+        stored == *number
+    }
+    fn key_of(_: u64, &(number, _): &(u64, String)) -> u64 {
+        number
+    }
+}
+
 /// Input ids one response may answer.
 pub const LINEAR_RESPONSE_INPUTS_MAX: usize = 64;
 
@@ -74,6 +94,25 @@ pub struct LinearSessionReceived {
     pub receipt_seq: u64,
     /// Log seq of a stop after it.
     pub stopped_seq: Option<u64>,
+    /// The number of the newest receipt among the sessions' receipts (its place in the window
+    /// of [`LINEAR_SESSIONS_MAX`]).
+    pub number: u64,
+}
+
+/// The window of session receipts is checkpointed in slots like the receipts' own.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionSlots;
+
+impl crate::cold::Slots<u64, (u64, (String, String))> for SessionSlots {
+    fn slot(number: &u64) -> u64 {
+        number % LINEAR_SESSIONS_MAX as u64
+    }
+    fn holds(number: &u64, &(stored, _): &(u64, (String, String))) -> bool {
+        stored == *number
+    }
+    fn key_of(_: u64, &(number, _): &(u64, (String, String))) -> u64 {
+        number
+    }
 }
 
 /// Key of a response: (agent, sorted input ids joined by `\n`, hex sha-256 of kind and body).
@@ -106,7 +145,8 @@ impl State {
             }
         };
         let receipt = linear_receipt_identity(&event.installation_id, receipt_kind, receipt_source);
-        if self.linear_receipts.contains_key(&receipt) {
+        self.linear_receipts.ensure(LINEAR_RECEIPTS_TAG, &receipt, &self.cold);
+        if self.linear_receipts.get(&receipt).is_some() {
             return Verdict::LinearSession(LinearSessionVerdict {
                 agent,
                 session: event.session_id.clone(),
@@ -118,13 +158,7 @@ impl State {
             });
         }
         self.note_session_received(at, &agent, &event.session_id);
-        self.linear_receipts.insert(receipt.clone(), at.seq);
-        self.linear_receipt_order.insert(at.seq, receipt.clone());
-        while self.linear_receipt_order.len() > LINEAR_RECEIPTS_MAX {
-            if let Some((_, oldest)) = self.linear_receipt_order.pop_first() {
-                self.linear_receipts.remove(&oldest);
-            }
-        }
+        self.remember_linear_receipt(at, &receipt);
         let body = BodyRef::linear(event);
         let item = WakeItem {
             id: receipt.clone(),
@@ -158,22 +192,48 @@ impl State {
         })
     }
 
+    /// Remembers a new receipt, forgetting the oldest beyond [`LINEAR_RECEIPTS_MAX`]. Receipts
+    /// are numbered in the order they came: the newest number takes the slot of the one it
+    /// pushes out of the window, as the settled ids do.
+    fn remember_linear_receipt(&mut self, at: LogPosition, receipt: &str) {
+        let count = self.linear_receipt_count.entry_or_default(());
+        let number = *count;
+        *count += 1;
+        self.linear_receipts.insert(receipt.to_owned(), at.seq);
+        self.linear_receipt_order.insert(number, (number, receipt.to_owned()));
+        if number >= LINEAR_RECEIPTS_MAX as u64 {
+            let oldest = number - LINEAR_RECEIPTS_MAX as u64;
+            self.linear_receipt_order.ensure(LINEAR_RECEIPT_ORDER_TAG, &oldest, &self.cold);
+            if let Some((_, forgotten)) = self.linear_receipt_order.remove(&oldest) {
+                self.linear_receipts.ensure_for_write(LINEAR_RECEIPTS_TAG, &forgotten, &self.cold);
+                self.linear_receipts.forget(forgotten);
+            }
+        }
+    }
+
     /// Remembers that `agent` received the session (again), forgetting the oldest beyond the
     /// bound.
     fn note_session_received(&mut self, at: LogPosition, agent: &str, session_id: &str) {
         let key = (agent.to_owned(), session_id.to_owned());
-        if let Some(previous) = self.linear_sessions.get(&key) {
-            let previous_seq = previous.receipt_seq;
-            self.linear_session_order.remove(&previous_seq);
-        }
-        self.linear_sessions.insert(key.clone(), LinearSessionReceived { receipt_seq: at.seq, stopped_seq: None });
-        self.linear_session_order.insert(at.seq, key);
-        while self.linear_session_order.len() > LINEAR_SESSIONS_MAX {
-            if let Some((_, oldest)) = self.linear_session_order.pop_first() {
-                self.linear_sessions.remove(&oldest);
+        let count = self.linear_session_count.entry_or_default(());
+        let number = *count;
+        *count += 1;
+        // A session received again keeps the slot of its earlier receipt, which no longer
+        // names its newest: that slot forgets nothing when it leaves the window.
+        self.linear_sessions.ensure_for_write(LINEAR_SESSIONS_TAG, &key, &self.cold);
+        self.linear_sessions
+            .insert(key.clone(), LinearSessionReceived { receipt_seq: at.seq, stopped_seq: None, number });
+        self.linear_session_order.insert(number, (number, key));
+        if number >= LINEAR_SESSIONS_MAX as u64 {
+            let oldest = number - LINEAR_SESSIONS_MAX as u64;
+            self.linear_session_order.ensure(LINEAR_SESSION_ORDER_TAG, &oldest, &self.cold);
+            if let Some((_, key)) = self.linear_session_order.remove(&oldest) {
+                self.linear_sessions.ensure(LINEAR_SESSIONS_TAG, &key, &self.cold);
+                if self.linear_sessions.get(&key).is_some_and(|received| received.number == oldest) {
+                    self.linear_sessions.remove(&key);
+                }
             }
         }
-        debug_assert_eq!(self.linear_sessions.len(), self.linear_session_order.len());
     }
 
     /// Removes the session's queued items of the agent; a running (or claimed) one stays. The
@@ -181,8 +241,14 @@ impl State {
     fn stop_linear_session(&mut self, at: LogPosition, agent: &str, session_id: &str) -> Verdict {
         self.ensure_queue(agent);
         let key = (agent.to_owned(), session_id.to_owned());
-        if let Some(received) = self.linear_sessions.get_mut(&key) {
-            received.stopped_seq.get_or_insert(at.seq);
+        self.linear_sessions.ensure(LINEAR_SESSIONS_TAG, &key, &self.cold);
+        let stopped = self
+            .linear_sessions
+            .get(&key)
+            .filter(|received| received.stopped_seq.is_none())
+            .map(|received| LinearSessionReceived { stopped_seq: Some(at.seq), ..received.clone() });
+        if let Some(stopped) = stopped {
+            self.linear_sessions.insert(key, stopped);
         }
         let of_session = |item: &WakeItem| item.linear.as_ref().is_some_and(|l| l.session_id == session_id);
         // Only a queue that holds some of the session's items is touched (and so checkpointed).
@@ -234,6 +300,7 @@ impl State {
             .and_then(|queue| queue.active.as_ref())
             .and_then(|active| active.item.linear.as_ref())
             .is_some_and(|linear| linear.session_id == request.session_id);
+        self.linear_sessions.ensure(LINEAR_SESSIONS_TAG, &session_key, &self.cold);
         match self.linear_sessions.get(&session_key) {
             None if active_for_session => {}
             None => {

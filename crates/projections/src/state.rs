@@ -21,8 +21,10 @@ use crate::wake::{AgentQueue, WakeItem};
 
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
 /// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
-/// agent) and checkpointed in pages of surfaces; 19: subscriptions are a cold table, left in
-/// the store at a restore) and decision rules. A checkpoint taken by another version is
+/// agent) and checkpointed in pages of surfaces; 19: subscriptions and the windows of Linear
+/// receipts and sessions are cold tables, left in the store at a restore; a session is
+/// forgotten by its place among session receipts, not among distinct sessions) and decision
+/// rules. A checkpoint taken by another version is
 /// discarded and state is rebuilt from the log.
 pub const FOLD_VERSION: u32 = 19;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
@@ -171,10 +173,13 @@ pub struct State {
     /// A chat's top-level surface → whether it is one-to-one, as its newest observation said.
     /// A chat id does not tell; p2p chats behave like DMs.
     pub chat_kinds: Table<SurfaceKey, ChatKind>,
-    /// Linear receipt ids → the log seq of the first receipt (first receipt wins).
-    pub linear_receipts: Table<String, u64>,
-    /// Log seq → receipt id, to forget the oldest receipt beyond the bound.
-    pub linear_receipt_order: Table<u64, String>,
+    /// Linear receipt ids → the log seq of the first receipt (first receipt wins). Cold.
+    pub linear_receipts: ColdTable<String, u64>,
+    /// Receipt number → (number, receipt id), the window of the newest receipts, to forget the
+    /// oldest beyond the bound. Cold.
+    pub linear_receipt_order: ColdTable<u64, (u64, String), crate::linear::ReceiptSlots>,
+    /// Receipts remembered so far, ever: the number of the next one.
+    pub linear_receipt_count: Table<(), u64>,
     /// Linear responses by key: (agent, sorted input ids, hash of kind and body).
     pub linear_responses: Table<LinearResponseKey, LinearResponse>,
     /// Activity id → the key of its response, for outcomes.
@@ -183,9 +188,13 @@ pub struct State {
     pub linear_response_order: Table<u64, LinearResponseKey>,
     /// (agent, session id) → whether the agent received that Linear session and whether it was
     /// stopped since: only a received, unstopped session may be answered.
-    pub linear_sessions: Table<(String, String), crate::linear::LinearSessionReceived>,
-    /// Log seq of a session's newest receipt → its key, to forget the oldest beyond the bound.
-    pub linear_session_order: Table<u64, (String, String)>,
+    /// Cold.
+    pub linear_sessions: ColdTable<(String, String), crate::linear::LinearSessionReceived>,
+    /// Number of a session receipt → (number, its key), the window of the newest receipts, to
+    /// forget the oldest beyond the bound. Cold.
+    pub linear_session_order: ColdTable<u64, (u64, (String, String)), crate::linear::SessionSlots>,
+    /// Session receipts so far, ever: the number of the next one.
+    pub linear_session_count: Table<(), u64>,
     /// The newest `memoryCoherence` configuration in the log (absent: the defaults).
     pub memory_config: Table<(), MemoryConfig>,
     /// Agent → its memory-pass gate: newest history, newest outcome, last window-day queued.
@@ -555,8 +564,6 @@ state_tables! {
     // 9 held the settle order before `settled` kept it in its key.
     12 => chat_identities,
     13 => chat_kinds paged,
-    14 => linear_receipts,
-    15 => linear_receipt_order,
     16 => linear_responses,
     17 => linear_activities,
     18 => linear_response_order,
@@ -565,13 +572,13 @@ state_tables! {
     21 => memory_open,
     22 => surfaces paged,
     23 => agent_keys paged,
-    24 => linear_sessions,
-    25 => linear_session_order,
     28 => posted_sends,
     29 => posted_send_order,
     30 => notices_owed,
     31 => do_not_contact,
-    32 => dm_members paged;
+    32 => dm_members paged,
+    35 => linear_receipt_count,
+    36 => linear_session_count;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -579,6 +586,10 @@ state_tables! {
     SETTLED_IDS_TAG => settled_ids,
     SETTLED_ORDER_TAG => settled_order,
     SUBSCRIPTIONS_TAG => subscriptions,
+    LINEAR_RECEIPTS_TAG => linear_receipts,
+    LINEAR_RECEIPT_ORDER_TAG => linear_receipt_order,
+    LINEAR_SESSIONS_TAG => linear_sessions,
+    LINEAR_SESSION_ORDER_TAG => linear_session_order,
 }
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
@@ -625,6 +636,10 @@ pub(crate) const IDENTITY_ORDER_TAG: u8 = 5;
 pub(crate) const SETTLED_IDS_TAG: u8 = 33;
 pub(crate) const SETTLED_ORDER_TAG: u8 = 34;
 pub(crate) const SUBSCRIPTIONS_TAG: u8 = 11;
+pub(crate) const LINEAR_RECEIPTS_TAG: u8 = 14;
+pub(crate) const LINEAR_RECEIPT_ORDER_TAG: u8 = 15;
+pub(crate) const LINEAR_SESSIONS_TAG: u8 = 24;
+pub(crate) const LINEAR_SESSION_ORDER_TAG: u8 = 25;
 use crate::journal::JOURNAL_ROWS_TAG;
 
 /// What [`State::canonical_encode`] gathers before handing bytes on.
@@ -827,9 +842,7 @@ impl State {
             + self.verdicts.len()
             + self.chat_identities.len()
             + self.chat_kinds.len()
-            + self.linear_receipts.len() * 2
             + self.linear_responses.len() * 3
-            + self.linear_sessions.len() * 2
             + self.memory_gates.len()
             + self.memory_open.len()
             + self.posted_sends.len() * 2
@@ -946,6 +959,10 @@ mod kept_verdict_tests {
             SETTLED_IDS_TAG,
             SETTLED_ORDER_TAG,
             SUBSCRIPTIONS_TAG,
+            LINEAR_RECEIPTS_TAG,
+            LINEAR_RECEIPT_ORDER_TAG,
+            LINEAR_SESSIONS_TAG,
+            LINEAR_SESSION_ORDER_TAG,
         ] {
             tail.extend([tag, 0]);
         }

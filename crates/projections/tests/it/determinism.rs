@@ -848,6 +848,68 @@ fn subscriptions_that_left_memory_still_route_and_are_listed() {
     }
 }
 
+/// The window of Linear receipts (first receipt wins) is cold: its oldest receipt is forgotten
+/// through the store when it left memory. A redelivery of a receipt pushed out of the window
+/// wakes again, of a recent one is a duplicate, in a fold that kept everything in memory and in
+/// folds that let go of everything now and then (started empty, and restored).
+#[test]
+fn linear_receipts_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    use anima_projections::linear::LINEAR_RECEIPTS_MAX;
+    use anima_projections::proto::{LinearSessionEvent, LinearSessionEventKind};
+    let created = |n: u64, again: &str| Envelope {
+        event_id: format!("linear:{n}{again}"),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".to_owned(),
+        payload: Some(Payload::LinearSession(LinearSessionEvent {
+            receiving_agent_id: "anna".to_owned(),
+            installation_id: "inst1".to_owned(),
+            kind: LinearSessionEventKind::Created as i32,
+            session_id: format!("00000000-0000-4000-8000-{n:012}"),
+            agent_activity_id: String::new(),
+            issue_identifier: "ENG-42".to_owned(),
+            issue_url: "https://linear.app/acme/issue/ENG-42".to_owned(),
+            issue_title: "Flaky login test".to_owned(),
+            prompt_text: "Look.".to_owned(),
+        })),
+    };
+    let mut kept = Scenario::new();
+    let mut evicting = [Scenario::evicting(false), Scenario::evicting(true)];
+    fn all(kept: &mut Scenario, evicting: &mut [Scenario], event: Envelope, evict: bool) -> u64 {
+        for scenario in evicting.iter_mut() {
+            scenario.log.fold(event.clone());
+            if evict {
+                scenario.checkpoint();
+                scenario.log.state.evict_cold(usize::MAX);
+            }
+        }
+        kept.log.fold(event)
+    }
+    // 20 receipts more than the window: the first 20 are pushed out.
+    let total = LINEAR_RECEIPTS_MAX as u64 + 20;
+    for n in 0..total {
+        all(&mut kept, &mut evicting, created(n, ""), n % 1_024 == 0 || n + 1 == total);
+    }
+    // The newest and the oldest still remembered are duplicates; 19, pushed out, is new again
+    // (and pushes 20 out), as is 0.
+    let mut duplicates = Vec::new();
+    for n in [total - 1, 20, 19, 0] {
+        let seq = all(&mut kept, &mut evicting, created(n, ":again"), true);
+        match kept.log.state.verdict(seq) {
+            Some(Verdict::LinearSession(session)) => duplicates.push(session.duplicate_receipt),
+            other => panic!("not a session verdict: {other:?}"),
+        }
+    }
+    assert_eq!(duplicates, [true, true, false, false]);
+    for scenario in &evicting {
+        for seq in 1..=kept.log.events.len() as u64 {
+            assert_eq!(kept.log.state.verdict(seq), scenario.log.state.verdict(seq), "verdict of seq {seq}");
+        }
+        assert!(kept.log.state.canonical_bytes() == scenario.log.state.canonical_bytes());
+        assert_eq!(scenario.log.state.linear_receipts.resident_len(), 0, "the receipts left memory");
+    }
+}
+
 /// A state that started empty reads no identity and no settled id back for a message and a
 /// wake it never saw, however much it let go of: it counts what it let go of. A restored state
 /// cannot know what its checkpoint holds and reads each one (which is what makes this fail if

@@ -453,3 +453,35 @@ fn the_active_wake_of_a_session_can_answer_it_after_its_receipt_was_forgotten() 
     let seq = log.fold(other);
     assert!(matches!(log.verdict(seq), Verdict::Refused(_)));
 }
+
+#[test]
+fn a_session_received_again_is_remembered_from_its_newest_receipt() {
+    // The sessions' window counts receipts: a session is forgotten once the bound's number of
+    // session receipts came after its newest one, wherever its earlier receipts were.
+    let mut log = TestLog::with(&[ada(), agent("bert", "UBERT", "BBERT"), created(SESSION_A, "First prompt.")]);
+    let bound = anima_projections::linear::LINEAR_SESSIONS_MAX as u64;
+    let for_bert = |n: u64| {
+        let mut other = created(&format!("00000000-0000-4000-8000-{n:012}"), "Another.");
+        if let Some(Payload::LinearSession(event)) = other.payload.as_mut() {
+            event.receiving_agent_id = "bert".to_owned();
+        }
+        other
+    };
+    for n in 1..bound {
+        log.fold(for_bert(n));
+    }
+    // A's second receipt; the next one pushes A's first out of the window, not A.
+    log.fold(prompted(SESSION_A, "act-2", "Again."));
+    log.fold(for_bert(bound));
+    let seq = log.fold(respond("r1", "Fixed it.", &["linear:inst1:prompted:act-2"]));
+    assert!(matches!(log.verdict(seq), Verdict::LinearResponse(_)), "got {:?}", log.verdict(seq));
+    // The bound's number of receipts after A's newest: A is forgotten, and may not be answered.
+    for n in bound + 1..2 * bound {
+        log.fold(for_bert(n));
+    }
+    let seq = log.fold(respond("r2", "Answering again.", &[]));
+    match log.verdict(seq) {
+        Verdict::Refused(refusal) => assert!(refusal.message.contains("never received"), "{refusal:?}"),
+        other => panic!("got {other:?}"),
+    }
+}
