@@ -18,7 +18,8 @@ use crate::journal::row_meta;
 use crate::proto;
 use crate::row::BodyRef;
 use crate::state::{
-    LogPosition, State, LINEAR_RECEIPTS_TAG, LINEAR_RECEIPT_ORDER_TAG, LINEAR_SESSIONS_TAG, LINEAR_SESSION_ORDER_TAG,
+    LogPosition, State, LINEAR_ACTIVITIES_TAG, LINEAR_RECEIPTS_TAG, LINEAR_RECEIPT_ORDER_TAG, LINEAR_RESPONSES_TAG,
+    LINEAR_RESPONSE_ORDER_TAG, LINEAR_SESSIONS_TAG, LINEAR_SESSION_ORDER_TAG,
 };
 use crate::surface::{linear_receipt_identity, LinearReceiptKind, SurfaceId};
 use crate::time::log_seconds;
@@ -49,6 +50,22 @@ impl crate::cold::Slots<u64, (u64, String)> for ReceiptSlots {
         stored == *number
     }
     fn key_of(_: u64, &(number, _): &(u64, String)) -> u64 {
+        number
+    }
+}
+
+/// The window of responses is checkpointed in slots like the receipts' own.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResponseSlots;
+
+impl crate::cold::Slots<u64, (u64, LinearResponseKey)> for ResponseSlots {
+    fn slot(number: &u64) -> u64 {
+        number % LINEAR_RESPONSES_MAX as u64
+    }
+    fn holds(number: &u64, &(stored, _): &(u64, LinearResponseKey)) -> bool {
+        stored == *number
+    }
+    fn key_of(_: u64, &(number, _): &(u64, LinearResponseKey)) -> u64 {
         number
     }
 }
@@ -211,6 +228,27 @@ impl State {
         }
     }
 
+    /// Remembers a new response, forgetting the oldest beyond [`LINEAR_RESPONSES_MAX`] (numbered
+    /// in the order they came, like the receipts).
+    fn remember_linear_response(&mut self, key: LinearResponseKey) {
+        let count = self.linear_response_count.entry_or_default(());
+        let number = *count;
+        *count += 1;
+        self.linear_response_order.insert(number, (number, key));
+        if number >= LINEAR_RESPONSES_MAX as u64 {
+            let oldest = number - LINEAR_RESPONSES_MAX as u64;
+            self.linear_response_order.ensure(LINEAR_RESPONSE_ORDER_TAG, &oldest, &self.cold);
+            if let Some((_, key)) = self.linear_response_order.remove(&oldest) {
+                self.linear_responses.ensure(LINEAR_RESPONSES_TAG, &key, &self.cold);
+                if let Some(forgotten) = self.linear_responses.remove(&key) {
+                    self.linear_activities.ensure_for_write(LINEAR_ACTIVITIES_TAG, &forgotten.activity_id, &self.cold);
+                    self.linear_activities.forget(forgotten.activity_id);
+                }
+                self.linear_unknown_responses.remove(&key);
+            }
+        }
+    }
+
     /// Remembers that `agent` received the session (again), forgetting the oldest beyond the
     /// bound.
     fn note_session_received(&mut self, at: LogPosition, agent: &str, session_id: &str) {
@@ -328,6 +366,7 @@ impl State {
         inputs.dedup();
         let inputs_key = inputs.join("\n");
         let key: LinearResponseKey = (request.agent_id.clone(), inputs_key.clone(), content_hash(kind, &request.body));
+        self.linear_responses.ensure(LINEAR_RESPONSES_TAG, &key, &self.cold);
         if let Some(existing) = self.linear_responses.get(&key) {
             return Verdict::LinearResponse(LinearResponseVerdict {
                 activity_id: existing.activity_id.clone(),
@@ -338,10 +377,10 @@ impl State {
         let same_inputs = (request.agent_id.clone(), inputs_key.clone(), String::new())
             ..(request.agent_id.clone(), format!("{inputs_key}\u{0}"), String::new());
         let unknown = self
-            .linear_responses
+            .linear_unknown_responses
             .range(same_inputs)
-            .find(|((_, inputs, _), r)| *inputs == inputs_key && r.state == LinearResponseState::Unknown)
-            .map(|(_, r)| r.activity_id.clone());
+            .find(|((_, inputs, _), _)| *inputs == inputs_key)
+            .map(|(_, activity)| activity.clone());
         if let Some(activity) = unknown {
             return refused(
                 RefusalKind::FailedPrecondition,
@@ -361,14 +400,7 @@ impl State {
             },
         );
         self.linear_activities.insert(activity_id.clone(), key.clone());
-        self.linear_response_order.insert(at.seq, key);
-        while self.linear_response_order.len() > LINEAR_RESPONSES_MAX {
-            if let Some((_, oldest)) = self.linear_response_order.pop_first() {
-                if let Some(forgotten) = self.linear_responses.remove(&oldest) {
-                    self.linear_activities.remove(&forgotten.activity_id);
-                }
-            }
-        }
+        self.remember_linear_response(key);
         Verdict::LinearResponse(LinearResponseVerdict {
             activity_id,
             state: LinearResponseState::Requested,
@@ -387,21 +419,32 @@ impl State {
                 return refused(RefusalKind::InvalidArgument, "result is unspecified")
             }
         };
+        self.linear_activities.ensure(LINEAR_ACTIVITIES_TAG, &request.activity_id, &self.cold);
         let Some(key) = self.linear_activities.get(&request.activity_id).cloned() else {
             return refused(RefusalKind::InvalidArgument, "activity_id: no response with that activity id is known");
         };
         if key.0 != request.agent_id {
             return refused(RefusalKind::InvalidArgument, "activity_id: that activity belongs to another agent");
         }
-        let Some(response) = self.linear_responses.get_mut(&key) else {
+        self.linear_responses.ensure(LINEAR_RESPONSES_TAG, &key, &self.cold);
+        let Some(response) = self.linear_responses.get(&key) else {
             return refused(RefusalKind::FailedPrecondition, "the response of that activity is gone");
         };
-        if response.state != LinearResponseState::Accepted {
-            response.state = reported;
+        let state = match response.state {
+            LinearResponseState::Accepted => LinearResponseState::Accepted,
+            _ => reported,
+        };
+        if state != response.state {
+            let changed = LinearResponse { state, ..response.clone() };
+            self.linear_responses.insert(key.clone(), changed);
         }
+        match state {
+            LinearResponseState::Unknown => self.linear_unknown_responses.insert(key, request.activity_id.clone()),
+            _ => self.linear_unknown_responses.remove(&key),
+        };
         Verdict::LinearResponse(LinearResponseVerdict {
             activity_id: request.activity_id.clone(),
-            state: response.state,
+            state,
             repeated: false,
         })
     }

@@ -22,7 +22,7 @@ use crate::wake::{AgentQueue, WakeItem};
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
 /// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
 /// agent) and checkpointed in pages of surfaces; 19: subscriptions and the windows of Linear
-/// receipts and sessions are cold tables, left in the store at a restore; a session is
+/// receipts, sessions and responses are cold tables, left in the store at a restore; a session is
 /// forgotten by its place among session receipts, not among distinct sessions) and decision
 /// rules. A checkpoint taken by another version is
 /// discarded and state is rebuilt from the log.
@@ -180,12 +180,18 @@ pub struct State {
     pub linear_receipt_order: ColdTable<u64, (u64, String), crate::linear::ReceiptSlots>,
     /// Receipts remembered so far, ever: the number of the next one.
     pub linear_receipt_count: Table<(), u64>,
-    /// Linear responses by key: (agent, sorted input ids, hash of kind and body).
-    pub linear_responses: Table<LinearResponseKey, LinearResponse>,
-    /// Activity id → the key of its response, for outcomes.
-    pub linear_activities: Table<String, LinearResponseKey>,
-    /// Log seq of the request → response key, to forget the oldest response beyond the bound.
-    pub linear_response_order: Table<u64, LinearResponseKey>,
+    /// Linear responses by key: (agent, sorted input ids, hash of kind and body). Cold.
+    pub linear_responses: ColdTable<LinearResponseKey, LinearResponse>,
+    /// Activity id → the key of its response, for outcomes. Cold.
+    pub linear_activities: ColdTable<String, LinearResponseKey>,
+    /// Response number → (number, response key), the window of the newest responses, to
+    /// forget the oldest beyond the bound. Cold.
+    pub linear_response_order: ColdTable<u64, (u64, LinearResponseKey), crate::linear::ResponseSlots>,
+    /// Responses remembered so far, ever: the number of the next one.
+    pub linear_response_count: Table<(), u64>,
+    /// The responses whose outcome is unknown, by key → their activity id: while one is, a
+    /// different response to the same inputs is refused (looked up by a range of the key).
+    pub linear_unknown_responses: Table<LinearResponseKey, String>,
     /// (agent, session id) → whether the agent received that Linear session and whether it was
     /// stopped since: only a received, unstopped session may be answered.
     /// Cold.
@@ -564,9 +570,6 @@ state_tables! {
     // 9 held the settle order before `settled` kept it in its key.
     12 => chat_identities,
     13 => chat_kinds paged,
-    16 => linear_responses,
-    17 => linear_activities,
-    18 => linear_response_order,
     19 => memory_config,
     20 => memory_gates,
     21 => memory_open,
@@ -578,7 +581,9 @@ state_tables! {
     31 => do_not_contact,
     32 => dm_members paged,
     35 => linear_receipt_count,
-    36 => linear_session_count;
+    36 => linear_session_count,
+    37 => linear_response_count,
+    38 => linear_unknown_responses;
     cold:
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
@@ -590,6 +595,9 @@ state_tables! {
     LINEAR_RECEIPT_ORDER_TAG => linear_receipt_order,
     LINEAR_SESSIONS_TAG => linear_sessions,
     LINEAR_SESSION_ORDER_TAG => linear_session_order,
+    LINEAR_RESPONSES_TAG => linear_responses,
+    LINEAR_ACTIVITIES_TAG => linear_activities,
+    LINEAR_RESPONSE_ORDER_TAG => linear_response_order,
 }
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
@@ -640,6 +648,9 @@ pub(crate) const LINEAR_RECEIPTS_TAG: u8 = 14;
 pub(crate) const LINEAR_RECEIPT_ORDER_TAG: u8 = 15;
 pub(crate) const LINEAR_SESSIONS_TAG: u8 = 24;
 pub(crate) const LINEAR_SESSION_ORDER_TAG: u8 = 25;
+pub(crate) const LINEAR_RESPONSES_TAG: u8 = 16;
+pub(crate) const LINEAR_ACTIVITIES_TAG: u8 = 17;
+pub(crate) const LINEAR_RESPONSE_ORDER_TAG: u8 = 18;
 use crate::journal::JOURNAL_ROWS_TAG;
 
 /// What [`State::canonical_encode`] gathers before handing bytes on.
@@ -842,7 +853,7 @@ impl State {
             + self.verdicts.len()
             + self.chat_identities.len()
             + self.chat_kinds.len()
-            + self.linear_responses.len() * 3
+            + self.linear_unknown_responses.len()
             + self.memory_gates.len()
             + self.memory_open.len()
             + self.posted_sends.len() * 2
@@ -963,6 +974,9 @@ mod kept_verdict_tests {
             LINEAR_RECEIPT_ORDER_TAG,
             LINEAR_SESSIONS_TAG,
             LINEAR_SESSION_ORDER_TAG,
+            LINEAR_RESPONSES_TAG,
+            LINEAR_ACTIVITIES_TAG,
+            LINEAR_RESPONSE_ORDER_TAG,
         ] {
             tail.extend([tag, 0]);
         }

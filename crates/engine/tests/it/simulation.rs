@@ -1360,9 +1360,8 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
         chat_identities,
         chat_kinds,
         linear_receipt_count,
-        linear_responses,
-        linear_activities,
-        linear_response_order,
+        linear_response_count,
+        linear_unknown_responses,
         memory_config,
         memory_gates,
         memory_open
@@ -1381,7 +1380,7 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
             }
         )*};
     }
-    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order);
+    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order, 16 => linear_responses, 17 => linear_activities, 18 => linear_response_order);
     if live.surfaces != rebuilt.surfaces || live.agent_keys != rebuilt.agent_keys {
         out.push("interned keys".to_owned());
     }

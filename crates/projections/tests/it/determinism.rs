@@ -848,15 +848,10 @@ fn subscriptions_that_left_memory_still_route_and_are_listed() {
     }
 }
 
-/// The window of Linear receipts (first receipt wins) is cold: its oldest receipt is forgotten
-/// through the store when it left memory. A redelivery of a receipt pushed out of the window
-/// wakes again, of a recent one is a duplicate, in a fold that kept everything in memory and in
-/// folds that let go of everything now and then (started empty, and restored).
-#[test]
-fn linear_receipts_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
-    use anima_projections::linear::LINEAR_RECEIPTS_MAX;
+/// A Linear session event for anna: `created`, session `n`.
+fn linear_created(n: u64, again: &str) -> Envelope {
     use anima_projections::proto::{LinearSessionEvent, LinearSessionEventKind};
-    let created = |n: u64, again: &str| Envelope {
+    Envelope {
         event_id: format!("linear:{n}{again}"),
         occurred_at_ms: 0,
         min_reader_version: 1,
@@ -872,41 +867,126 @@ fn linear_receipts_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_me
             issue_title: "Flaky login test".to_owned(),
             prompt_text: "Look.".to_owned(),
         })),
-    };
+    }
+}
+
+/// Folds `event` into `kept` and into each of `evicting`, which then checkpoint and let go of
+/// every clean cold entry when `evict`; returns its seq.
+fn fold_all(kept: &mut Scenario, evicting: &mut [Scenario], event: Envelope, evict: bool) -> u64 {
+    for scenario in evicting.iter_mut() {
+        scenario.log.fold(event.clone());
+        if evict {
+            scenario.checkpoint();
+            scenario.log.state.evict_cold(usize::MAX);
+        }
+    }
+    kept.log.fold(event)
+}
+
+/// Every verdict and the state of each of `evicting` are those of `kept`.
+fn assert_same_as_kept(kept: &Scenario, evicting: &[Scenario]) {
+    for scenario in evicting {
+        for seq in 1..=kept.log.events.len() as u64 {
+            assert_eq!(kept.log.state.verdict(seq), scenario.log.state.verdict(seq), "verdict of seq {seq}");
+        }
+        assert!(kept.log.state.canonical_bytes() == scenario.log.state.canonical_bytes());
+    }
+}
+
+/// The window of Linear receipts (first receipt wins) is cold: its oldest receipt is forgotten
+/// through the store when it left memory. A redelivery of a receipt pushed out of the window
+/// wakes again, of a recent one is a duplicate, in a fold that kept everything in memory and in
+/// folds that let go of everything now and then (started empty, and restored).
+#[test]
+fn linear_receipts_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    use anima_projections::linear::LINEAR_RECEIPTS_MAX;
     let mut kept = Scenario::new();
     let mut evicting = [Scenario::evicting(false), Scenario::evicting(true)];
-    fn all(kept: &mut Scenario, evicting: &mut [Scenario], event: Envelope, evict: bool) -> u64 {
-        for scenario in evicting.iter_mut() {
-            scenario.log.fold(event.clone());
-            if evict {
-                scenario.checkpoint();
-                scenario.log.state.evict_cold(usize::MAX);
-            }
-        }
-        kept.log.fold(event)
-    }
     // 20 receipts more than the window: the first 20 are pushed out.
     let total = LINEAR_RECEIPTS_MAX as u64 + 20;
     for n in 0..total {
-        all(&mut kept, &mut evicting, created(n, ""), n % 1_024 == 0 || n + 1 == total);
+        fold_all(&mut kept, &mut evicting, linear_created(n, ""), n % 1_024 == 0 || n + 1 == total);
     }
     // The newest and the oldest still remembered are duplicates; 19, pushed out, is new again
     // (and pushes 20 out), as is 0.
     let mut duplicates = Vec::new();
     for n in [total - 1, 20, 19, 0] {
-        let seq = all(&mut kept, &mut evicting, created(n, ":again"), true);
+        let seq = fold_all(&mut kept, &mut evicting, linear_created(n, ":again"), true);
         match kept.log.state.verdict(seq) {
             Some(Verdict::LinearSession(session)) => duplicates.push(session.duplicate_receipt),
             other => panic!("not a session verdict: {other:?}"),
         }
     }
     assert_eq!(duplicates, [true, true, false, false]);
+    assert_same_as_kept(&kept, &evicting);
     for scenario in &evicting {
-        for seq in 1..=kept.log.events.len() as u64 {
-            assert_eq!(kept.log.state.verdict(seq), scenario.log.state.verdict(seq), "verdict of seq {seq}");
-        }
-        assert!(kept.log.state.canonical_bytes() == scenario.log.state.canonical_bytes());
         assert_eq!(scenario.log.state.linear_receipts.resident_len(), 0, "the receipts left memory");
+    }
+}
+
+/// The window of Linear responses is cold too. A response whose outcome is unknown blocks a
+/// different response to the same inputs until it leaves the window; then its activity is no
+/// longer known. Alike with and without the responses in memory.
+#[test]
+fn linear_responses_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory() {
+    use anima_projections::linear::LINEAR_RESPONSES_MAX;
+    use anima_projections::proto::{
+        LinearResponseKind, LinearResponseOutcome, LinearResponseRequested, LinearResponseResult,
+    };
+    let respond = |n: u64, input: &str, body: &str| Envelope {
+        event_id: format!("respond:{n}"),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".to_owned(),
+        payload: Some(Payload::LinearResponse(LinearResponseRequested {
+            agent_id: "anna".to_owned(),
+            session_id: "00000000-0000-4000-8000-000000000000".to_owned(),
+            kind: LinearResponseKind::Response as i32,
+            body: body.to_owned(),
+            input_ids: vec![input.to_owned()],
+        })),
+    };
+    let outcome = |activity: &str, result: LinearResponseResult| Envelope {
+        event_id: format!("outcome:{activity}:{}", result.as_str_name()),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".to_owned(),
+        payload: Some(Payload::LinearResponseOutcome(LinearResponseOutcome {
+            agent_id: "anna".to_owned(),
+            activity_id: activity.to_owned(),
+            result: result as i32,
+        })),
+    };
+    let mut kept = Scenario::new();
+    let mut evicting = [Scenario::evicting(false), Scenario::evicting(true)];
+    fold_all(&mut kept, &mut evicting, linear_created(0, ""), true);
+    let activity = |kept: &Scenario, seq: u64| match kept.log.state.verdict(seq) {
+        Some(Verdict::LinearResponse(response)) => response.activity_id.clone(),
+        other => panic!("not a response verdict: {other:?}"),
+    };
+    let refused = |kept: &Scenario, seq: u64| matches!(kept.log.state.verdict(seq), Some(Verdict::Refused(_)));
+    let first = fold_all(&mut kept, &mut evicting, respond(0, "i0", "first"), true);
+    let first_activity = activity(&kept, first);
+    fold_all(&mut kept, &mut evicting, outcome(&first_activity, LinearResponseResult::Unknown), true);
+    let blocked = fold_all(&mut kept, &mut evicting, respond(1, "i0", "another"), true);
+    assert!(refused(&kept, blocked), "an unknown outcome blocks another response to the same inputs");
+    // The window's worth of responses after it: the first leaves with the last of them.
+    let total = LINEAR_RESPONSES_MAX as u64;
+    let mut last = 0;
+    for n in 2..total + 2 {
+        last =
+            fold_all(&mut kept, &mut evicting, respond(n, &format!("i{n}"), "more"), n % 1_024 == 0 || n == total + 1);
+    }
+    let last_activity = activity(&kept, last);
+    let forgotten = fold_all(&mut kept, &mut evicting, outcome(&first_activity, LinearResponseResult::Accepted), true);
+    assert!(refused(&kept, forgotten), "the first response left the window");
+    let allowed = fold_all(&mut kept, &mut evicting, respond(total + 2, "i0", "another"), true);
+    assert!(!refused(&kept, allowed), "the unknown response left the window with it");
+    let recent = fold_all(&mut kept, &mut evicting, outcome(&last_activity, LinearResponseResult::Accepted), true);
+    assert!(!refused(&kept, recent), "a recent response's outcome is recorded");
+    assert_same_as_kept(&kept, &evicting);
+    for scenario in &evicting {
+        assert_eq!(scenario.log.state.linear_responses.resident_len(), 0, "the responses left memory");
     }
 }
 
