@@ -22,10 +22,9 @@ use crate::wake::{AgentQueue, WakeItem};
 /// Version of the fold: state layout, its checkpoint layout (16: slot pages, see
 /// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
 /// agent) and checkpointed in pages of surfaces; 19: subscriptions and the windows of Linear
-/// receipts, sessions and responses are cold tables, left in the store at a restore; a session is
-/// forgotten by its place among session receipts, not among distinct sessions) and decision
-/// rules. A checkpoint taken by another version is
-/// discarded and state is rebuilt from the log.
+/// receipts, sessions and responses are cold tables, left in the store at a restore; a session
+/// is forgotten by its place among session receipts, not among distinct sessions) and decision
+/// rules. A checkpoint taken by another version is discarded and state is rebuilt from the log.
 pub const FOLD_VERSION: u32 = 19;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
