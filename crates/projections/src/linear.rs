@@ -37,37 +37,46 @@ pub const LINEAR_RESPONSES_MAX: usize = 65_536;
 /// after its newest one (it can then no longer be answered; at the rates expected it is then
 /// weeks old). A session received again counts once, at its newest receipt.
 pub const LINEAR_SESSIONS_MAX: usize = 65_536;
-/// The window of receipts is checkpointed in slots: receipt number `n` takes slot
-/// `n % LINEAR_RECEIPTS_MAX`, overwriting the receipt it pushes out.
+/// A window of the newest `MAX` entries, numbered as they come: entry `n` is checkpointed in
+/// slot `n % MAX`, overwriting the entry it pushes out (the receipts, sessions and responses).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ReceiptSlots;
+pub struct NumberedSlots<const MAX: u64>;
 
-impl crate::cold::Slots<u64, (u64, String)> for ReceiptSlots {
+impl<T, const MAX: u64> crate::cold::Slots<u64, (u64, T)> for NumberedSlots<MAX> {
     fn slot(number: &u64) -> u64 {
-        number % LINEAR_RECEIPTS_MAX as u64
+        number % MAX
     }
-    fn holds(number: &u64, &(stored, _): &(u64, String)) -> bool {
-        stored == *number
+    fn holds(number: &u64, (stored, _): &(u64, T)) -> bool {
+        stored == number
     }
-    fn key_of(_: u64, &(number, _): &(u64, String)) -> u64 {
-        number
+    fn key_of(_: u64, (number, _): &(u64, T)) -> u64 {
+        *number
     }
 }
 
-/// The window of responses is checkpointed in slots like the receipts' own.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ResponseSlots;
+pub type ReceiptSlots = NumberedSlots<{ LINEAR_RECEIPTS_MAX as u64 }>;
+pub type SessionSlots = NumberedSlots<{ LINEAR_SESSIONS_MAX as u64 }>;
+pub type ResponseSlots = NumberedSlots<{ LINEAR_RESPONSES_MAX as u64 }>;
 
-impl crate::cold::Slots<u64, (u64, LinearResponseKey)> for ResponseSlots {
-    fn slot(number: &u64) -> u64 {
-        number % LINEAR_RESPONSES_MAX as u64
-    }
-    fn holds(number: &u64, &(stored, _): &(u64, LinearResponseKey)) -> bool {
-        stored == *number
-    }
-    fn key_of(_: u64, &(number, _): &(u64, LinearResponseKey)) -> u64 {
-        number
-    }
+/// Numbers `value` as the window's newest entry and returns the entry it pushes out of the
+/// window, if any (read back from the store when it left memory).
+fn push_numbered<T, const MAX: u64>(
+    order: &mut crate::cold::ColdTable<u64, (u64, T), NumberedSlots<MAX>>,
+    count: &mut crate::table::Table<(), u64>,
+    tag: u8,
+    cold: &crate::cold::Cold,
+    value: T,
+) -> Option<(u64, T)>
+where
+    T: Clone + Serialize + for<'de> Deserialize<'de>,
+{
+    let count = count.entry_or_default(());
+    let number = *count;
+    *count += 1;
+    order.insert(number, (number, value));
+    let oldest = number.checked_sub(MAX)?;
+    order.ensure(tag, &oldest, cold);
+    order.remove(&oldest)
 }
 
 /// Input ids one response may answer.
@@ -114,22 +123,6 @@ pub struct LinearSessionReceived {
     /// The number of the newest receipt among the sessions' receipts (its place in the window
     /// of [`LINEAR_SESSIONS_MAX`]).
     pub number: u64,
-}
-
-/// The window of session receipts is checkpointed in slots like the receipts' own.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SessionSlots;
-
-impl crate::cold::Slots<u64, (u64, (String, String))> for SessionSlots {
-    fn slot(number: &u64) -> u64 {
-        number % LINEAR_SESSIONS_MAX as u64
-    }
-    fn holds(number: &u64, &(stored, _): &(u64, (String, String))) -> bool {
-        stored == *number
-    }
-    fn key_of(_: u64, &(number, _): &(u64, (String, String))) -> u64 {
-        number
-    }
 }
 
 /// Key of a response: (agent, sorted input ids joined by `\n`, hex sha-256 of kind and body).
@@ -209,67 +202,45 @@ impl State {
         })
     }
 
-    /// Remembers a new receipt, forgetting the oldest beyond [`LINEAR_RECEIPTS_MAX`]. Receipts
-    /// are numbered in the order they came: the newest number takes the slot of the one it
-    /// pushes out of the window, as the settled ids do.
+    /// Remembers a new receipt, forgetting the oldest beyond [`LINEAR_RECEIPTS_MAX`].
     fn remember_linear_receipt(&mut self, at: LogPosition, receipt: &str) {
-        let count = self.linear_receipt_count.entry_or_default(());
-        let number = *count;
-        *count += 1;
         self.linear_receipts.insert(receipt.to_owned(), at.seq);
-        self.linear_receipt_order.insert(number, (number, receipt.to_owned()));
-        if number >= LINEAR_RECEIPTS_MAX as u64 {
-            let oldest = number - LINEAR_RECEIPTS_MAX as u64;
-            self.linear_receipt_order.ensure(LINEAR_RECEIPT_ORDER_TAG, &oldest, &self.cold);
-            if let Some((_, forgotten)) = self.linear_receipt_order.remove(&oldest) {
-                self.linear_receipts.ensure_for_write(LINEAR_RECEIPTS_TAG, &forgotten, &self.cold);
-                self.linear_receipts.forget(forgotten);
-            }
+        let (order, count) = (&mut self.linear_receipt_order, &mut self.linear_receipt_count);
+        if let Some((_, forgotten)) =
+            push_numbered(order, count, LINEAR_RECEIPT_ORDER_TAG, &self.cold, receipt.to_owned())
+        {
+            self.linear_receipts.ensure_for_write(LINEAR_RECEIPTS_TAG, &forgotten, &self.cold);
+            self.linear_receipts.forget(forgotten);
         }
     }
 
-    /// Remembers a new response, forgetting the oldest beyond [`LINEAR_RESPONSES_MAX`] (numbered
-    /// in the order they came, like the receipts).
+    /// Remembers a new response, forgetting the oldest beyond [`LINEAR_RESPONSES_MAX`].
     fn remember_linear_response(&mut self, key: LinearResponseKey) {
-        let count = self.linear_response_count.entry_or_default(());
-        let number = *count;
-        *count += 1;
-        self.linear_response_order.insert(number, (number, key));
-        if number >= LINEAR_RESPONSES_MAX as u64 {
-            let oldest = number - LINEAR_RESPONSES_MAX as u64;
-            self.linear_response_order.ensure(LINEAR_RESPONSE_ORDER_TAG, &oldest, &self.cold);
-            if let Some((_, key)) = self.linear_response_order.remove(&oldest) {
-                self.linear_responses.ensure(LINEAR_RESPONSES_TAG, &key, &self.cold);
-                if let Some(forgotten) = self.linear_responses.remove(&key) {
-                    self.linear_activities.ensure_for_write(LINEAR_ACTIVITIES_TAG, &forgotten.activity_id, &self.cold);
-                    self.linear_activities.forget(forgotten.activity_id);
-                }
-                self.linear_unknown_responses.remove(&key);
-            }
+        let (order, count) = (&mut self.linear_response_order, &mut self.linear_response_count);
+        let Some((_, key)) = push_numbered(order, count, LINEAR_RESPONSE_ORDER_TAG, &self.cold, key) else { return };
+        self.linear_responses.ensure(LINEAR_RESPONSES_TAG, &key, &self.cold);
+        if let Some(forgotten) = self.linear_responses.remove(&key) {
+            self.linear_activities.ensure_for_write(LINEAR_ACTIVITIES_TAG, &forgotten.activity_id, &self.cold);
+            self.linear_activities.forget(forgotten.activity_id);
         }
+        self.linear_unknown_responses.remove(&key);
     }
 
     /// Remembers that `agent` received the session (again), forgetting the oldest beyond the
     /// bound.
     fn note_session_received(&mut self, at: LogPosition, agent: &str, session_id: &str) {
         let key = (agent.to_owned(), session_id.to_owned());
-        let count = self.linear_session_count.entry_or_default(());
-        let number = *count;
-        *count += 1;
-        // A session received again keeps the slot of its earlier receipt, which no longer
-        // names its newest: that slot forgets nothing when it leaves the window.
+        let number = self.linear_session_count.get(&()).copied().unwrap_or(0);
         self.linear_sessions.ensure_for_write(LINEAR_SESSIONS_TAG, &key, &self.cold);
         self.linear_sessions
             .insert(key.clone(), LinearSessionReceived { receipt_seq: at.seq, stopped_seq: None, number });
-        self.linear_session_order.insert(number, (number, key));
-        if number >= LINEAR_SESSIONS_MAX as u64 {
-            let oldest = number - LINEAR_SESSIONS_MAX as u64;
-            self.linear_session_order.ensure(LINEAR_SESSION_ORDER_TAG, &oldest, &self.cold);
-            if let Some((_, key)) = self.linear_session_order.remove(&oldest) {
-                self.linear_sessions.ensure(LINEAR_SESSIONS_TAG, &key, &self.cold);
-                if self.linear_sessions.get(&key).is_some_and(|received| received.number == oldest) {
-                    self.linear_sessions.remove(&key);
-                }
+        // A session received again keeps the slot of its earlier receipt, which no longer
+        // names its newest: that slot forgets nothing when it leaves the window.
+        let (order, count) = (&mut self.linear_session_order, &mut self.linear_session_count);
+        if let Some((oldest, key)) = push_numbered(order, count, LINEAR_SESSION_ORDER_TAG, &self.cold, key) {
+            self.linear_sessions.ensure(LINEAR_SESSIONS_TAG, &key, &self.cold);
+            if self.linear_sessions.get(&key).is_some_and(|received| received.number == oldest) {
+                self.linear_sessions.remove(&key);
             }
         }
     }
