@@ -961,7 +961,7 @@ fn author(row: &RowMeta) -> String {
 pub fn cursor_facts(state: &State, agent: &str, surface: &SurfaceId) -> CursorFacts {
     let cursor = state.cursor(agent, surface);
     let journal = state.journal(surface);
-    let tail = journal.map_or(0, |j| j.tail);
+    let tail = journal.as_ref().map_or(0, |j| j.tail);
     let rows_after_cursor: Vec<RowMeta> = match (journal, cursor) {
         (Some(_), Some(at)) => state.recent_rows(surface).into_iter().filter(|row| row.ordinal > at).collect(),
         _ => Vec::new(),

@@ -298,12 +298,12 @@ pub fn state_at_response(
             cursors: state
                 .cursor_entries()
                 .into_iter()
-                .filter(|((owner, _), _)| *owner == agent)
+                .filter(|((owner, _), _)| owner == agent)
                 .map(|((owner, surface), cursor)| api::ReplayCursor {
-                    agent_id: owner.to_owned(),
+                    agent_id: owner,
                     surface: surface.to_string(),
                     cursor,
-                    tail: tail_of(surface),
+                    tail: tail_of(&surface),
                 })
                 .collect(),
             queued: state.queued_items(agent).iter().map(wake_item).collect(),
@@ -328,17 +328,17 @@ pub fn state_at_response(
         api::ReplaySurfaceState {
             surface: surface.to_string(),
             tail: tail_of(surface),
-            trailing_owner: journal.and_then(|j| j.trailing_owner.as_deref()).unwrap_or_default().to_owned(),
-            trailing_run_start: journal.map_or(0, |j| j.trailing_run_start),
+            trailing_owner: journal.as_ref().and_then(|j| j.trailing_owner.as_deref()).unwrap_or_default().to_owned(),
+            trailing_run_start: journal.as_ref().map_or(0, |j| j.trailing_run_start),
             cursors: state
                 .cursor_entries()
                 .into_iter()
-                .filter(|((_, on), _)| *on == surface)
+                .filter(|((_, on), _)| on == surface)
                 .map(|((agent, on), cursor)| api::ReplayCursor {
-                    agent_id: agent.to_owned(),
+                    agent_id: agent,
                     surface: on.to_string(),
                     cursor,
-                    tail: tail_of(on),
+                    tail: tail_of(&on),
                 })
                 .collect(),
             recent_rows: state.recent_rows(surface).iter().map(|r| row(r, None)).collect(),
@@ -353,8 +353,8 @@ pub fn state_at_response(
         agent,
         surface,
         agents: state.agents.len() as u64,
-        surfaces: state.journals.len() as u64,
-        cursors: state.cursors.len() as u64,
+        surfaces: state.journals_len() as u64,
+        cursors: state.cursors_len() as u64,
         verdicts_kept: state.verdicts.len() as u64,
     }
 }

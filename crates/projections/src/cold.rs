@@ -413,10 +413,20 @@ where
     where
         V: Clone,
     {
+        self.get_or_read(tag, key, cold).map(std::borrow::Cow::into_owned)
+    }
+
+    /// The value of `key`: borrowed from memory, or else read from the store without keeping it.
+    /// For readers that hold the state shared, and for fold paths that only read a key they may
+    /// not have ensured: the answer is the same either way, only its cost differs.
+    pub fn get_or_read(&self, tag: u8, key: &K, cold: &Cold) -> Option<std::borrow::Cow<'_, V>>
+    where
+        V: Clone,
+    {
         match self.map.get(key) {
-            Some(entry) => entry.value.clone(),
+            Some(entry) => entry.value.as_ref().map(std::borrow::Cow::Borrowed),
             None if self.complete => None,
-            None => Self::read_stored(tag, key, cold),
+            None => Self::read_stored(tag, key, cold).map(std::borrow::Cow::Owned),
         }
     }
 
@@ -435,6 +445,19 @@ where
             }
         }
         old
+    }
+
+    /// Entries in memory or in the store (reads the whole table from the store unless complete:
+    /// for tools).
+    pub fn total_len(&self, tag: u8, cold: &Cold) -> usize
+    where
+        V: Clone,
+    {
+        if self.complete {
+            self.present
+        } else {
+            self.all_entries(tag, cold).len()
+        }
     }
 
     /// Present entries in memory.

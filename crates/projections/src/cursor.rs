@@ -47,8 +47,9 @@ impl State {
     /// Moves the cursor of `key` to `to` if the rule allows it; the only place a cursor changes.
     pub(crate) fn advance_cursor(&mut self, key: AgentSurface, to: u64) -> Result<CursorAdvance, CursorRuleBroken> {
         let (agent, surface) = key;
+        self.cursors.ensure(crate::state::CURSORS_TAG, &(surface, agent), &self.cold);
         let before = self.cursor_by_key(agent, surface);
-        let tail = self.journals.get(&surface).map_or(0, |journal| journal.tail);
+        let tail = self.journal_tail(surface);
         let advance = rule(before, tail, to)?;
         debug_assert!(advance.before.is_none_or(|before| before <= advance.after), "a cursor never moves back");
         debug_assert!(advance.after <= advance.tail, "a cursor never passes the tail");

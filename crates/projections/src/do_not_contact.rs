@@ -172,7 +172,7 @@ impl State {
         let (workspace, direct) = match surface {
             SurfaceId::Slack { team, .. } => (team, Some(surface.is_slack_dm())),
             SurfaceId::Chat { tenant, .. } => {
-                let top = self.surfaces.key(&surface.top_level());
+                let top = self.surface_key(&surface.top_level());
                 let kind = top.and_then(|k| self.chat_kinds.get(&k));
                 (tenant, kind.map(|kind| *kind == crate::surface::ChatKind::P2p))
             }
@@ -183,7 +183,7 @@ impl State {
             return Some(refuse(NotContactedReason::CouldNotVerify, None, None));
         };
         let dm_member =
-            if direct { self.surfaces.key(&surface.top_level()).and_then(|dm| self.dm_members.get(&dm)) } else { None };
+            if direct { self.surface_key(&surface.top_level()).and_then(|dm| self.dm_members.get(&dm)) } else { None };
         if let Some(user) = mentioned.iter().find(|user| listed.contains(*user)) {
             return Some(refuse(NotContactedReason::Listed, Some(user), dm_member));
         }

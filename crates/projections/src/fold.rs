@@ -210,7 +210,7 @@ impl State {
             confirmed_seq: at.seq,
         };
         self.note_posted_send(at, &confirmation.send_event_id, posted);
-        let surface_key = self.surfaces.intern(&surface);
+        let surface_key = self.intern_surface(&surface);
         let existing = self.identity_ordinal(surface_key, &confirmation.ts);
         let ordinal = match existing {
             Some(ordinal) => ordinal,
@@ -267,7 +267,7 @@ impl State {
         }
         let surface =
             SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
-        let chat = self.surfaces.intern(&surface.top_level());
+        let chat = self.intern_surface(&surface.top_level());
         if self.chat_kinds.get(&chat) != Some(&kind) {
             self.chat_kinds.insert(chat, kind);
         }
@@ -309,10 +309,10 @@ impl State {
             is_bot,
             identity,
         } = incoming;
-        let surface_key = self.surfaces.intern(&surface);
+        let surface_key = self.intern_surface(&surface);
         if direct && !is_bot && owner.is_none() {
             let dm =
-                if surface.thread_ts().is_none() { surface_key } else { self.surfaces.intern(&surface.top_level()) };
+                if surface.thread_ts().is_none() { surface_key } else { self.intern_surface(&surface.top_level()) };
             self.note_dm_member(dm, user_id);
         }
         let existing = self.identity_ordinal(surface_key, id);
@@ -374,10 +374,6 @@ impl State {
             Ok(reason) => (Some(routed.route), Some(reason), None),
             Err(not_queued) => (Some(routed.route), None, Some(not_queued)),
         }
-    }
-
-    fn journal_tail(&self, surface: SurfaceKey) -> u64 {
-        self.journals.get(&surface).map_or(0, |j| j.tail)
     }
 
     /// The ordinal a message identity was journaled at, if it is in the surface's dedupe window.

@@ -4,9 +4,11 @@
 //! was a string comparison per level (most of the fold's time).
 //!
 //! Keys are assigned by the fold only, so they are part of the deterministic state: folding the
-//! same events gives the same keys. The key → value table is persisted like any other table; the
-//! value → key index is derived from it and only ever looked up, never iterated, so its hash
-//! order cannot leak into anything persisted or compared.
+//! same events gives the same keys. Agents are interned by an [`Interner`], all in memory: its
+//! key → value table is persisted like any other table; the value → key index is derived from
+//! it and only ever looked up, never iterated, so its hash order cannot leak into anything
+//! persisted or compared. Surfaces grow with the history and are interned by the state in two
+//! cold tables (see the `impl State` below).
 
 use std::hash::Hash;
 
@@ -15,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::page::PagedTable;
 use crate::surface::SurfaceId;
 use crate::table::Table;
+use std::borrow::Cow;
 
 /// A surface's interned key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -139,9 +142,7 @@ impl<K: InternKey, V: Ord + Clone + Hash> Interner<K, V> {
     }
 }
 
-/// Surfaces by key.
-pub type SurfaceInterner = Interner<SurfaceKey, SurfaceId>;
-/// Agent ids by key.
+/// Agent ids by key (agents are a fleet's, not a history's: they stay in memory).
 pub type AgentInterner = Interner<AgentKey, String>;
 
 /// An interner is checkpointed in pages of its keys, as its values table is.
@@ -155,5 +156,49 @@ impl<K: InternKey + Serialize, V: Ord + Clone + Hash + Serialize> PagedTable for
 
     fn page_entries(&self, page: u32) -> Vec<(&K, &V)> {
         self.values.page_entries(page)
+    }
+}
+
+/// Checkpoint tag of `State::surface_keys` (surface → key).
+pub(crate) const SURFACE_KEYS_TAG: u8 = 39;
+/// Checkpoint tag of `State::surface_ids` (key → surface).
+pub(crate) const SURFACE_IDS_TAG: u8 = 40;
+
+/// Surfaces are interned by the state itself, in two cold tables (surface → key and key →
+/// surface) and a count: every mention in a channel starts a thread the fold writes state for,
+/// so the surfaces grow with the history, and like every other table that does, they leave
+/// memory under the budget and are read back from the checkpoint store when needed. Keys are
+/// still dense and given in log order of first use, so folding the same events gives the same
+/// keys whatever was in memory.
+impl crate::State {
+    /// The key of `surface`, if the fold ever wrote state for it (read from the store, without
+    /// keeping it, if it left memory).
+    pub fn surface_key(&self, surface: &SurfaceId) -> Option<SurfaceKey> {
+        self.surface_keys.get_or_read(SURFACE_KEYS_TAG, surface, &self.cold).map(|key| *key)
+    }
+
+    /// The key of `surface`, assigning the next one when it has none; brought into memory.
+    pub(crate) fn intern_surface(&mut self, surface: &SurfaceId) -> SurfaceKey {
+        self.surface_keys.ensure(SURFACE_KEYS_TAG, surface, &self.cold);
+        if let Some(key) = self.surface_keys.get(surface) {
+            return *key;
+        }
+        let index = self.surface_count.get(&()).copied().unwrap_or(0);
+        let key = SurfaceKey(index);
+        self.surface_count.insert((), index.checked_add(1).expect("fewer than 2^32 surfaces"));
+        self.surface_keys.insert(surface.clone(), key);
+        self.surface_ids.ensure_for_write(SURFACE_IDS_TAG, &key, &self.cold);
+        self.surface_ids.insert(key, surface.clone());
+        key
+    }
+
+    /// The surface of a key the fold gave out (read from the store if it left memory).
+    pub fn surface_of(&self, key: SurfaceKey) -> Option<SurfaceId> {
+        self.surface_ids.get_or_read(SURFACE_IDS_TAG, &key, &self.cold).map(Cow::into_owned)
+    }
+
+    /// Surfaces the fold ever wrote state for.
+    pub fn surfaces_len(&self) -> u32 {
+        self.surface_count.get(&()).copied().unwrap_or(0)
     }
 }

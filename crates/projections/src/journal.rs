@@ -65,11 +65,30 @@ impl SurfaceJournal {
 
 /// Checkpoint tag of `State::journal_rows`.
 pub(crate) const JOURNAL_ROWS_TAG: u8 = 26;
+/// Checkpoint tag of `State::journals`.
+pub(crate) const JOURNALS_TAG: u8 = 42;
 
 impl crate::State {
+    /// The journal header of `surface`: borrowed from memory, or else read from the store
+    /// without keeping it.
+    pub fn journal_by_key(&self, surface: SurfaceKey) -> Option<std::borrow::Cow<'_, SurfaceJournal>> {
+        self.journals.get_or_read(JOURNALS_TAG, &surface, &self.cold)
+    }
+
+    /// The newest row of `surface` (0: none), its header brought into memory first.
+    pub(crate) fn journal_tail(&mut self, surface: SurfaceKey) -> u64 {
+        self.journals.ensure(JOURNALS_TAG, &surface, &self.cold);
+        self.journals.get(&surface).map_or(0, |journal| journal.tail)
+    }
+
+    /// The first and last ordinal of the window of `surface` ((1, 0) when it has no row).
+    pub(crate) fn journal_window(&self, surface: SurfaceKey) -> (u64, u64) {
+        self.journal_by_key(surface).map_or((1, 0), |journal| (journal.window_first(), journal.tail))
+    }
+
     /// Appends the next row of `surface`, forgetting the one that leaves the window.
     pub(crate) fn push_row(&mut self, surface: SurfaceKey, row: RowMeta) {
-        self.journals.entry_or_default(surface).push(&row);
+        self.journals.entry_or_default(JOURNALS_TAG, &surface, &self.cold).push(&row);
         let ordinal = row.ordinal;
         self.journal_rows.insert((surface, ordinal), row);
         if ordinal > RECENT_ROWS_MAX as u64 {
@@ -80,8 +99,12 @@ impl crate::State {
     /// Brings the window's rows of `surface` after `cursor` into memory (see [`crate::cold`]);
     /// a decision that reads rows calls this first.
     pub(crate) fn ensure_rows_after(&mut self, surface: SurfaceKey, cursor: u64) {
-        let Some(journal) = self.journals.get(&surface) else { return };
-        let (first, tail) = (journal.window_first().max(cursor + 1), journal.tail);
+        self.journals.ensure(JOURNALS_TAG, &surface, &self.cold);
+        let (first, tail) = self.journal_window(surface);
+        let first = first.max(cursor + 1);
+        if first > tail {
+            return;
+        }
         // The rows of a surface share their checkpoint-key prefix (tag, surface): one scan.
         let prefix = crate::state::tagged(JOURNAL_ROWS_TAG, &surface);
         self.journal_rows.ensure_by_scan(&prefix, (first..=tail).map(|ordinal| (surface, ordinal)), &self.cold);
@@ -89,8 +112,8 @@ impl crate::State {
 
     /// Row `ordinal` of `surface` if it is in the window (ensured, or a complete state).
     pub fn journal_row(&self, surface: SurfaceKey, ordinal: u64) -> Option<&RowMeta> {
-        let journal = self.journals.get(&surface)?;
-        if ordinal < journal.window_first() || ordinal > journal.tail {
+        let (first, tail) = self.journal_window(surface);
+        if ordinal < first || ordinal > tail {
             return None;
         }
         self.journal_rows.get(&(surface, ordinal))
@@ -98,16 +121,16 @@ impl crate::State {
 
     /// The window's rows of `surface` after `cursor`, newest first (ensured, or a complete state).
     pub fn newest_rows_after(&self, surface: SurfaceKey, cursor: u64) -> impl Iterator<Item = &RowMeta> {
-        let (first, tail) = self.journals.get(&surface).map_or((1, 0), |j| (j.window_first(), j.tail));
+        let (first, tail) = self.journal_window(surface);
         (first.max(cursor.saturating_add(1))..=tail).rev().filter_map(move |ordinal| self.journal_row(surface, ordinal))
     }
 
     /// The window's rows of `surface`, oldest first, for tools reading a complete state (a
     /// replay); rows that left memory are read from the store.
     pub fn recent_rows(&self, surface: &SurfaceId) -> Vec<RowMeta> {
-        let Some(key) = self.surfaces.key(surface) else { return Vec::new() };
-        let Some(journal) = self.journals.get(&key) else { return Vec::new() };
-        (journal.window_first()..=journal.tail)
+        let Some(key) = self.surface_key(surface) else { return Vec::new() };
+        let (first, tail) = self.journal_window(key);
+        (first..=tail)
             .filter_map(|ordinal| match self.journal_rows.is_complete() {
                 true => self.journal_rows.get(&(key, ordinal)).cloned(),
                 false => self.journal_rows.read_through(JOURNAL_ROWS_TAG, &(key, ordinal), &self.cold),
@@ -176,8 +199,8 @@ mod tests {
     fn last_foreign_follows_the_trailing_run() {
         let mut state = crate::State::new();
         let surface =
-            state.surfaces.intern(&SurfaceId::Slack { team: "T1".into(), channel: "C1".into(), thread_ts: None });
-        let journal = |state: &crate::State| state.journals.get(&surface).cloned().unwrap_or_default();
+            state.intern_surface(&SurfaceId::Slack { team: "T1".into(), channel: "C1".into(), thread_ts: None });
+        let journal = |state: &crate::State| state.journal_by_key(surface).map(|j| j.into_owned()).unwrap_or_default();
         assert_eq!(journal(&state).last_foreign_ordinal("a"), 0);
         state.push_row(surface, row(1, Some("a")));
         assert_eq!(journal(&state).last_foreign_ordinal("a"), 0);

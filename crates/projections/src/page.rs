@@ -1,7 +1,6 @@
-//! Checkpoint pages: a table keyed by an interned key (dense numbers given out in first-use
-//! order) is checkpointed as pages of [`KEYS_PER_PAGE`] consecutive keys, one entry each, not as
-//! one entry per key. A table keyed by (surface, agent) is paged by its surface: a page holds the
-//! entries of [`KEYS_PER_PAGE`] consecutive surfaces, whichever agents they are of.
+//! Checkpoint pages: a hot table keyed by an interned key (dense numbers given out in first-use
+//! order: the chat kinds and DM members by surface, the agent interner) is checkpointed as
+//! pages of [`KEYS_PER_PAGE`] consecutive keys, one entry each, not as one entry per key.
 //!
 //! Why: a restart reads every entry of the tables that stay in memory, and what that costs is
 //! mostly the store's work per entry, not the bytes. On a history of 1,000,000 events over
@@ -17,7 +16,7 @@ use std::ops::RangeInclusive;
 
 use serde::Serialize;
 
-use crate::intern::{AgentKey, InternKey, SurfaceKey};
+use crate::intern::InternKey;
 use crate::table::Table;
 
 /// Keys per checkpoint page.
@@ -40,18 +39,6 @@ impl<K: InternKey> PageKey for K {
     fn page_keys(page: u32) -> RangeInclusive<K> {
         let first = page.saturating_mul(KEYS_PER_PAGE);
         K::from_index(first)..=K::from_index(first.saturating_add(KEYS_PER_PAGE - 1))
-    }
-}
-
-/// (surface, agent): paged by the surface, every agent's entry on it with it.
-impl PageKey for (SurfaceKey, AgentKey) {
-    fn page(self) -> u32 {
-        self.0.page()
-    }
-
-    fn page_keys(page: u32) -> RangeInclusive<Self> {
-        let surfaces = SurfaceKey::page_keys(page);
-        (*surfaces.start(), AgentKey(0))..=(*surfaces.end(), AgentKey(u32::MAX))
     }
 }
 
@@ -81,6 +68,7 @@ impl<K: PageKey + Serialize, V: Serialize> PagedTable for Table<K, V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::intern::SurfaceKey;
 
     #[test]
     fn pages_cover_every_key_once() {
@@ -90,14 +78,6 @@ mod tests {
             let page = key.page();
             if page > 0 {
                 assert!(!SurfaceKey::page_keys(page - 1).contains(&key), "key {index} only in its own page");
-            }
-            for agent in [0, 1, 7_000, u32::MAX] {
-                let pair = (key, AgentKey(agent));
-                assert_eq!(pair.page(), page, "({index}, {agent}) is paged by its surface");
-                assert!(<(SurfaceKey, AgentKey)>::page_keys(page).contains(&pair), "({index}, {agent})");
-                if page > 0 {
-                    assert!(!<(SurfaceKey, AgentKey)>::page_keys(page - 1).contains(&pair), "({index}, {agent})");
-                }
             }
         }
         assert_eq!(SurfaceKey::page_keys(1), SurfaceKey(64)..=SurfaceKey(127));

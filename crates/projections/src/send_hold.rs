@@ -73,12 +73,12 @@ impl State {
         if let Some(refusal) = self.check_do_not_contact(&surface, &request.mentioned_user_ids) {
             return Verdict::Send(SendVerdict::NotContacted(refusal));
         }
-        let cursor_key = self.agent_keys.key(agent).zip(self.surfaces.key(&surface));
+        let cursor_key = self.agent_keys.key(agent).zip(self.surface_key(&surface));
         let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursor_by_key(key.0, key.1)?)))
         else {
             return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, cursor_after: None });
         };
-        let (tail, last_foreign) = match self.journals.get(&cursor_key.1) {
+        let (tail, last_foreign) = match self.journal_by_key(cursor_key.1) {
             Some(journal) => (journal.tail, journal.last_foreign_ordinal(agent)),
             None => (0, 0),
         };
@@ -100,11 +100,10 @@ impl State {
             });
         }
         self.ensure_rows_after(cursor_key.1, cursor);
-        let journal = self.journals.get(&cursor_key.1).expect("tail > 0 implies a journal");
         // Only foreign rows are new to the agent: its own rows after the cursor are neither
         // counted nor shown (the cursor passes them with the rest of the tail). Rows older than
         // the journal's window cannot be told apart any more and count as new.
-        let window_first = journal.window_first();
+        let (window_first, _) = self.journal_window(cursor_key.1);
         let mut new_messages = window_first.saturating_sub(cursor + 1);
         let mut budget = TEXT_BYTES_MAX.saturating_sub(text::held_frame_bytes_max());
         let mut shown = Vec::new();

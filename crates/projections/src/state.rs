@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::changes::{EncodedChanges, StateChanges};
 use crate::cold::{Cold, ColdTable};
-use crate::intern::{AgentInterner, AgentKey, SurfaceInterner, SurfaceKey};
+use crate::intern::{AgentInterner, AgentKey, SurfaceKey};
 use crate::journal::SurfaceJournal;
 use crate::linear::{LinearResponse, LinearResponseKey};
 use crate::memory::{MemoryConfig, MemoryGate, OpenPass};
@@ -23,9 +23,10 @@ use crate::wake::{AgentQueue, WakeItem};
 /// [`crate::slot_page`]; 17: 16 slots to a page instead of 64; 18: cursors keyed by (surface,
 /// agent) and checkpointed in pages of surfaces; 19: subscriptions and the windows of Linear
 /// receipts, sessions and responses are cold tables, left in the store at a restore; a session
-/// is forgotten by its place among session receipts, not among distinct sessions) and decision
-/// rules. A checkpoint taken by another version is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 19;
+/// is forgotten by its place among session receipts, not among distinct sessions; 20: the
+/// surface interner, the journal headers and the cursors are cold tables) and decision rules. A
+/// checkpoint taken by another version is discarded and state is rebuilt from the log.
+pub const FOLD_VERSION: u32 = 20;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -129,8 +130,8 @@ impl Eq for KeptVerdict {}
 
 /// Keys of per-(agent, surface) tables.
 pub type AgentSurface = (AgentKey, SurfaceKey);
-/// The cursors' key: surface first, so that the cursors of a page of surfaces are one range of
-/// the table and are checkpointed together ([`crate::page`]).
+/// The cursors' key: surface first, so that the cursors on one surface share a checkpoint-key
+/// prefix.
 pub type SurfaceAgent = (SurfaceKey, AgentKey);
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -139,12 +140,18 @@ pub struct State {
     pub agents: Table<String, AgentRecord>,
     /// Slack bot user ids and bot ids → the agent they belong to.
     pub slack_identities: Table<String, String>,
-    /// Surfaces the fold wrote state for, by interned key (the key of every surface-keyed table).
-    pub surfaces: SurfaceInterner,
+    /// Surface → its interned key (the key of every surface-keyed table), for every surface the
+    /// fold wrote state for ([`crate::intern`]). Cold.
+    pub surface_keys: ColdTable<SurfaceId, SurfaceKey>,
+    /// Interned key → its surface. Cold.
+    pub surface_ids: ColdTable<SurfaceKey, SurfaceId>,
+    /// Surfaces interned so far, ever: the next key.
+    pub surface_count: Table<(), u32>,
     /// Agents the fold wrote per-(agent, surface) state for, by interned key.
     pub agent_keys: AgentInterner,
-    /// Per-surface journal headers (tail, trailing run); never leave memory.
-    pub journals: Table<SurfaceKey, SurfaceJournal>,
+    /// Per-surface journal headers (tail, trailing run). Cold: exact for ever, in the store
+    /// when idle.
+    pub journals: ColdTable<SurfaceKey, SurfaceJournal>,
     /// (surface, ordinal) → the row's metadata, for the newest [`crate::journal::RECENT_ROWS_MAX`]
     /// rows of each surface. Cold: rows of idle surfaces leave memory under the budget.
     pub journal_rows: ColdTable<(SurfaceKey, u64), crate::journal::RowMeta, RowSlots>,
@@ -154,7 +161,8 @@ pub struct State {
     pub identity_order: ColdTable<(SurfaceKey, u64), (u64, crate::surface::Id), IdentitySlots>,
     /// (surface, agent) → the agent's cursor on the surface: rows 1..=N delivered. Absent key:
     /// no cursor. Read and moved through [`State::cursor_by_key`] and `State::advance_cursor`.
-    pub cursors: Table<SurfaceAgent, u64>,
+    /// Cold: exact for ever, in the store when idle.
+    pub cursors: ColdTable<SurfaceAgent, u64>,
     pub queues: Table<String, AgentQueue>,
     /// (agent, item id) → its newest settle order and when it settled: the duplicate check of
     /// new wakes ([`crate::wake::SettledId`]). Cold.
@@ -564,15 +572,14 @@ macro_rules! state_tables {
 state_tables! {
     1 => agents,
     2 => slack_identities,
-    3 => journals paged,
-    6 => cursors paged,
+    // 3 and 6 held the journal headers and the cursors, and 22 the surface interner, in pages
+    // of surfaces before they were cold tables (fold version 20).
     // 9 held the settle order before `settled` kept it in its key.
     12 => chat_identities,
     13 => chat_kinds paged,
     19 => memory_config,
     20 => memory_gates,
     21 => memory_open,
-    22 => surfaces paged,
     23 => agent_keys paged,
     28 => posted_sends,
     29 => posted_send_order,
@@ -582,8 +589,13 @@ state_tables! {
     35 => linear_receipt_count,
     36 => linear_session_count,
     37 => linear_response_count,
-    38 => linear_unknown_responses;
+    38 => linear_unknown_responses,
+    41 => surface_count;
     cold:
+    SURFACE_KEYS_TAG => surface_keys,
+    SURFACE_IDS_TAG => surface_ids,
+    JOURNALS_TAG => journals,
+    CURSORS_TAG => cursors,
     IDENTITIES_TAG => identities,
     IDENTITY_ORDER_TAG => identity_order,
     JOURNAL_ROWS_TAG => journal_rows,
@@ -650,7 +662,10 @@ pub(crate) const LINEAR_SESSION_ORDER_TAG: u8 = 25;
 pub(crate) const LINEAR_RESPONSES_TAG: u8 = 16;
 pub(crate) const LINEAR_ACTIVITIES_TAG: u8 = 17;
 pub(crate) const LINEAR_RESPONSE_ORDER_TAG: u8 = 18;
-use crate::journal::JOURNAL_ROWS_TAG;
+use crate::intern::{SURFACE_IDS_TAG, SURFACE_KEYS_TAG};
+use crate::journal::{JOURNALS_TAG, JOURNAL_ROWS_TAG};
+/// Checkpoint tag of `State::cursors`.
+pub(crate) const CURSORS_TAG: u8 = 43;
 
 /// What [`State::canonical_encode`] gathers before handing bytes on.
 pub const CANONICAL_CHUNK_BYTES: usize = 64 * 1024;
@@ -714,35 +729,54 @@ impl State {
     }
 
     pub fn cursor(&self, agent: &str, surface: &SurfaceId) -> Option<u64> {
-        self.cursor_by_key(self.agent_keys.key(agent)?, self.surfaces.key(surface)?)
+        self.cursor_by_key(self.agent_keys.key(agent)?, self.surface_key(surface)?)
     }
 
+    /// The cursor of (agent, surface), read from the store without keeping it if it left memory.
     pub(crate) fn cursor_by_key(&self, agent: AgentKey, surface: SurfaceKey) -> Option<u64> {
-        self.cursors.get(&(surface, agent)).copied()
+        self.cursors.get_or_read(CURSORS_TAG, &(surface, agent), &self.cold).map(|cursor| *cursor)
     }
 
-    pub fn journal(&self, surface: &SurfaceId) -> Option<&SurfaceJournal> {
-        self.journals.get(&self.surfaces.key(surface)?)
+    /// The journal header of `surface`, read from the store without keeping it if it left memory.
+    pub fn journal(&self, surface: &SurfaceId) -> Option<SurfaceJournal> {
+        self.journal_by_key(self.surface_key(surface)?).map(std::borrow::Cow::into_owned)
     }
 
-    /// Every cursor as ((agent, surface), cursor), in agent then surface order.
-    pub fn cursor_entries(&self) -> Vec<((&str, &SurfaceId), u64)> {
+    /// Surfaces with a journal, in memory or in the store (for tools).
+    pub fn journals_len(&self) -> usize {
+        self.journals.total_len(JOURNALS_TAG, &self.cold)
+    }
+
+    /// Cursors, in memory or in the store (for tools).
+    pub fn cursors_len(&self) -> usize {
+        self.cursors.total_len(CURSORS_TAG, &self.cold)
+    }
+
+    /// Every cursor as ((agent, surface), cursor), in agent then surface order, in memory or in
+    /// the store (for tools: reads the whole table).
+    pub fn cursor_entries(&self) -> Vec<((String, SurfaceId), u64)> {
         let mut entries: Vec<_> = self
             .cursors
-            .iter()
+            .all_entries(CURSORS_TAG, &self.cold)
+            .into_iter()
             .map(|((surface, agent), cursor)| {
-                ((self.agent_keys.value(*agent).as_str(), self.surfaces.value(*surface)), *cursor)
+                ((self.agent_keys.value(agent).clone(), self.surface_of(surface).expect("an interned surface")), cursor)
             })
             .collect();
         entries.sort();
         entries
     }
 
-    /// Every journal with its surface, in surface order.
-    pub fn journal_entries(&self) -> Vec<(&SurfaceId, &SurfaceJournal)> {
-        let mut entries: Vec<_> =
-            self.journals.iter().map(|(surface, journal)| (self.surfaces.value(*surface), journal)).collect();
-        entries.sort_by(|a, b| a.0.cmp(b.0));
+    /// Every journal with its surface, in surface order, in memory or in the store (for tools:
+    /// reads the whole table).
+    pub fn journal_entries(&self) -> Vec<(SurfaceId, SurfaceJournal)> {
+        let mut entries: Vec<_> = self
+            .journals
+            .all_entries(JOURNALS_TAG, &self.cold)
+            .into_iter()
+            .map(|(surface, journal)| (self.surface_of(surface).expect("an interned surface"), journal))
+            .collect();
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries
     }
 
@@ -795,8 +829,7 @@ impl State {
         match surface {
             SurfaceId::Slack { .. } => surface.is_slack_dm(),
             SurfaceId::Chat { .. } => self
-                .surfaces
-                .key(&surface.top_level())
+                .surface_key(&surface.top_level())
                 .is_some_and(|chat| self.chat_kinds.get(&chat) == Some(&ChatKind::P2p)),
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
@@ -808,10 +841,10 @@ impl State {
     pub fn describe_interned_key(&self, key: &[u8]) -> Option<String> {
         let (tag, rest) = key.split_first()?;
         let table = Self::table_of_tag(*tag)?;
-        let surface = |key: SurfaceKey| self.surfaces.get(key).map(ToString::to_string);
+        let surface = |key: SurfaceKey| self.surface_of(key).map(|surface| surface.to_string());
         let agent = |key: AgentKey| self.agent_keys.get(key).cloned();
         let named = match table {
-            "journals" | "chat_kinds" | "surfaces" | "dm_members" | "cursors" => {
+            "chat_kinds" | "dm_members" => {
                 let keys = <SurfaceKey as crate::page::PageKey>::page_keys(postcard::from_bytes(rest).ok()?);
                 let (first, last) = (surface(*keys.start()), surface(*keys.end()));
                 match (first, last) {
@@ -827,6 +860,11 @@ impl State {
             "identity_order" | "journal_rows" => {
                 let (on, ordinal): (SurfaceKey, u64) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ordinal})", surface(on)?)
+            }
+            "journals" | "surface_ids" => format!("({})", surface(postcard::from_bytes(rest).ok()?)?),
+            "cursors" => {
+                let (on, of): SurfaceAgent = postcard::from_bytes(rest).ok()?;
+                format!("({}, {})", surface(on)?, agent(of)?)
             }
             "subscriptions" => {
                 let (of, on): AgentSurface = postcard::from_bytes(rest).ok()?;
@@ -847,8 +885,6 @@ impl State {
         let queued: usize = self.queues.iter().map(|(_, queue)| queue.resident_len() + 1).sum();
         let hot_entries = self.agents.len()
             + self.slack_identities.len()
-            + self.journals.len()
-            + self.cursors.len()
             + self.verdicts.len()
             + self.chat_identities.len()
             + self.chat_kinds.len()
@@ -859,7 +895,6 @@ impl State {
             + self.notices_owed.len()
             + self.dm_members.len()
             + self.do_not_contact.get(&()).map_or(0, |c| c.lists.values().map(|users| users.len() + 1).sum())
-            + self.surfaces.len()
             + self.agent_keys.len();
         let resident = self.cold_resident_len();
         resident * COLD_ENTRY_BYTES
@@ -963,6 +998,10 @@ mod kept_verdict_tests {
         let mut tail = newest;
         for tag in [
             QUEUES_TAG,
+            SURFACE_KEYS_TAG,
+            SURFACE_IDS_TAG,
+            JOURNALS_TAG,
+            CURSORS_TAG,
             IDENTITIES_TAG,
             IDENTITY_ORDER_TAG,
             crate::journal::JOURNAL_ROWS_TAG,

@@ -191,19 +191,19 @@ impl State {
     /// The subscription of `agent` on `surface`, from memory or read from the store without
     /// keeping it (for tools and list calls that hold the state shared).
     pub fn subscription(&self, agent: &str, surface: &SurfaceId) -> Option<Subscription> {
-        let key = (self.agent_keys.key(agent)?, self.surfaces.key(surface)?);
+        let key = (self.agent_keys.key(agent)?, self.surface_key(surface)?);
         self.subscriptions.read_through(SUBSCRIPTIONS_TAG, &key, &self.cold)
     }
 
     /// The subscription the fold reads, brought into memory first if it left.
     fn subscription_by_key(&mut self, agent: AgentKey, surface: &SurfaceId) -> Option<&Subscription> {
-        let key = (agent, self.surfaces.key(surface)?);
+        let key = (agent, self.surface_key(surface)?);
         self.subscriptions.ensure(SUBSCRIPTIONS_TAG, &key, &self.cold);
         self.subscriptions.get(&key)
     }
 
     fn subscription_mut(&mut self, agent: AgentKey, surface: &SurfaceId) -> &mut Subscription {
-        let surface = self.surfaces.intern(surface);
+        let surface = self.intern_surface(surface);
         self.subscriptions.entry_or_default(SUBSCRIPTIONS_TAG, &(agent, surface), &self.cold)
     }
 
@@ -215,7 +215,7 @@ impl State {
             .subscriptions
             .range_entries(&prefix, (agent, SurfaceKey(0))..=(agent, SurfaceKey(u32::MAX)), &self.cold)
             .into_iter()
-            .map(|((_, surface), subscription)| (self.surfaces.value(surface).clone(), subscription))
+            .map(|((_, surface), subscription)| (self.surface_of(surface).expect("an interned surface"), subscription))
             .collect();
         entries.sort_by(|a, b| a.0.cmp(&b.0));
         entries

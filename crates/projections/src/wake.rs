@@ -621,8 +621,8 @@ impl State {
         let mut after_cursors = 0u64;
         for surface in &surfaces {
             let cursor = self.cursor(agent, surface).unwrap_or(0);
-            if let Some((key, journal)) = self.surfaces.key(surface).and_then(|k| Some((k, self.journals.get(&k)?))) {
-                after_cursors += journal.tail.saturating_sub(cursor);
+            if let Some((key, tail)) = self.surface_key(surface).and_then(|k| Some((k, self.journal_by_key(k)?.tail))) {
+                after_cursors += tail.saturating_sub(cursor);
                 candidates.extend(
                     self.newest_rows_after(key, cursor)
                         .filter(|r| !(surface == &item.trigger_surface && r.ordinal == item.trigger.ordinal))
@@ -723,7 +723,7 @@ impl State {
             }
             let item = self.queues.get_mut(&agent).and_then(|q| q.remove(slot)).expect("queued");
             for surface in Self::plan_surfaces(&item) {
-                if let Some(key) = self.surfaces.key(&surface) {
+                if let Some(key) = self.surface_key(&surface) {
                     let cursor = self.cursor(&agent, &surface).unwrap_or(0);
                     self.ensure_rows_after(key, cursor);
                 }
@@ -815,7 +815,7 @@ impl State {
         let agent_key = self.agent_keys.intern(&agent);
         let mut moved = Vec::with_capacity(plan.len());
         for entry in &plan {
-            let key = (agent_key, self.surfaces.intern(&entry.surface));
+            let key = (agent_key, self.intern_surface(&entry.surface));
             let advanced = self.advance_cursor(key, entry.target);
             debug_assert!(advanced.is_ok(), "checked above: {advanced:?}");
             if let Ok(advance) = advanced {

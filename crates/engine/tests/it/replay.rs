@@ -431,17 +431,17 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     drop((source, replayer));
     released(dir.path()).await;
 
-    // Tamper with ada's cursor on the DM in the checkpoint (in the page of cursors of the first
-    // surfaces, (surface, agent) → cursor).
+    // Tamper with ada's cursor on the DM in the checkpoint ((surface, agent) → cursor).
     {
         let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
         let tree = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
-        let cursors_tag = 6u8;
-        let (key, page) = tree.scan_prefix([STATE_PREFIX, cursors_tag]).next().unwrap().unwrap();
-        let mut page: Vec<((SurfaceKey, AgentKey), u64)> = postcard::from_bytes(&page).unwrap();
-        assert_eq!(page.len(), 1, "ada's cursor on the DM is the only one: {page:?}");
-        page[0].1 += 1;
-        tree.insert(key, postcard::to_stdvec(&page).unwrap()).unwrap();
+        let cursors_tag = 43u8;
+        let cursors: Vec<_> = tree.scan_prefix([STATE_PREFIX, cursors_tag]).map(Result::unwrap).collect();
+        assert_eq!(cursors.len(), 1, "ada's cursor on the DM is the only one: {cursors:?}");
+        let (key, cursor) = &cursors[0];
+        let (_, _): (SurfaceKey, AgentKey) = postcard::from_bytes(&key[2..]).unwrap();
+        let cursor: u64 = postcard::from_bytes(cursor).unwrap();
+        tree.insert(key, postcard::to_stdvec(&(cursor + 1)).unwrap()).unwrap();
         drop(tree);
         data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
     }
@@ -450,7 +450,7 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     assert!(!report.passed());
     let difference = report.first_difference.unwrap();
     assert_eq!((difference.table.as_str(), difference.note.as_str()), ("cursors", "values differ"));
-    assert!(difference.key.contains(&dm().to_string()), "the page is named by its surfaces: {}", difference.key);
+    assert!(difference.key.contains(&dm().to_string()), "the key is named by its surface: {}", difference.key);
 }
 
 /// A JetStream stream is read directly: a missing stream is refused (not created), an

@@ -1353,8 +1353,7 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
     tables!(
         agents,
         slack_identities,
-        journals,
-        cursors,
+        surface_count,
         queues,
         verdicts,
         chat_identities,
@@ -1380,8 +1379,8 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
             }
         )*};
     }
-    cold_tables!(4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order, 16 => linear_responses, 17 => linear_activities, 18 => linear_response_order);
-    if live.surfaces != rebuilt.surfaces || live.agent_keys != rebuilt.agent_keys {
+    cold_tables!(39 => surface_keys, 40 => surface_ids, 42 => journals, 43 => cursors, 4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order, 16 => linear_responses, 17 => linear_activities, 18 => linear_response_order);
+    if live.agent_keys != rebuilt.agent_keys {
         out.push("interned keys".to_owned());
     }
     format!("differing: {}", out.join("; "))

@@ -848,6 +848,54 @@ fn subscriptions_that_left_memory_still_route_and_are_listed() {
     }
 }
 
+/// Surfaces grow with the history (every DM and every thread is one), and what the fold keeps
+/// of each — its interned key both ways, its journal header, the cursors on it — leaves memory
+/// under the budget like the other cold tables, read back from the store when a decision needs
+/// it. An agent answering in a DM it last looked at 40 conversations ago is held over the one
+/// message it missed, and one answering where nothing moved is allowed, exactly as in a fold
+/// that kept everything (started empty, and restored).
+#[test]
+fn surfaces_journals_and_cursors_that_left_memory_still_decide_sends() {
+    for restored in [false, true] {
+        let mut kept = Scenario::new();
+        let mut evicting = [Scenario::evicting(restored)];
+        for n in 0..40u64 {
+            let dm = format!("D{n}");
+            let woken = [
+                dm_from_human("anna", &dm, &ts(n), "hello"),
+                claim("anna", "w1"),
+                start("anna", "w1"),
+                finish("anna", "w1", WakeOutcome::Completed),
+            ];
+            for event in woken {
+                fold_all(&mut kept, &mut evicting, event, true);
+            }
+        }
+        let state = &evicting[0].log.state;
+        let resident = [
+            state.surface_keys.resident_len(),
+            state.surface_ids.resident_len(),
+            state.journals.resident_len(),
+            state.cursors.resident_len(),
+        ];
+        assert_eq!(resident, [0; 4], "keys, surfaces, journals and cursors left memory (restored: {restored})");
+        assert_eq!(state.cold_resident_len(), 0, "nothing cold stayed in memory");
+        assert_eq!((state.surfaces_len(), state.journals_len(), state.cursors_len()), (40, 40, 40));
+        fold_all(&mut kept, &mut evicting, dm_from_human("anna", "D0", &ts(100), "are you there?"), true);
+        let held = fold_all(&mut kept, &mut evicting, send("anna", "D0"), true);
+        let allowed = fold_all(&mut kept, &mut evicting, send("anna", "D1"), true);
+        match evicting[0].log.state.verdict(held) {
+            Some(Verdict::Send(SendVerdict::Held(held))) => {
+                assert_eq!((held.cursor_before, held.tail, held.new_messages), (1, 2, 1), "{held:?}")
+            }
+            other => panic!("the send into D0 is not held: {other:?}"),
+        }
+        let allowed = evicting[0].log.state.verdict(allowed);
+        assert!(matches!(allowed, Some(Verdict::Send(SendVerdict::Allowed { .. }))), "{allowed:?}");
+        assert_same_as_kept(&kept, &evicting);
+    }
+}
+
 /// A Linear session event for anna: `created`, session `n`.
 fn linear_created(n: u64, again: &str) -> Envelope {
     use anima_projections::proto::{LinearSessionEvent, LinearSessionEventKind};

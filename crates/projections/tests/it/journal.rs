@@ -34,7 +34,7 @@ fn check(given: &[Envelope], when: Envelope, expect: Expect) {
     out.push_str("--- journals ---\n");
     for (surface, journal) in log.state.journal_entries() {
         writeln!(out, "{surface} (tail {})", journal.tail).unwrap();
-        for row in &log.state.recent_rows(surface) {
+        for row in &log.state.recent_rows(&surface) {
             let author =
                 if row.user_id.is_empty() { format!("bot {}", row.bot_id) } else { format!("user {}", row.user_id) };
             let owner = row.owner.as_deref().unwrap_or("-");
