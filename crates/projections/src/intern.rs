@@ -177,6 +177,13 @@ impl crate::State {
         self.surface_keys.get_or_read(SURFACE_KEYS_TAG, surface, &self.cold).map(|key| *key)
     }
 
+    /// The key of `surface` if it has one, brought into memory: for a fold path that reads it
+    /// and the state keyed by it again.
+    pub(crate) fn ensure_surface_key(&mut self, surface: &SurfaceId) -> Option<SurfaceKey> {
+        self.surface_keys.ensure(SURFACE_KEYS_TAG, surface, &self.cold);
+        self.surface_keys.get(surface).copied()
+    }
+
     /// The key of `surface`, assigning the next one when it has none; brought into memory.
     pub(crate) fn intern_surface(&mut self, surface: &SurfaceId) -> SurfaceKey {
         self.surface_keys.ensure(SURFACE_KEYS_TAG, surface, &self.cold);
