@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::intern::SurfaceKey;
 use crate::state::{AgentSurface, State};
 use crate::surface::SurfaceId;
 
@@ -42,6 +43,18 @@ impl State {
         let before = self.cursor(agent, surface);
         let tail = self.journal(surface).map_or(0, |journal| journal.tail);
         rule(before, tail, to)
+    }
+
+    /// Brings the key of `surface`, the agent's cursor on it and its journal header into memory,
+    /// for a fold path that reads them more than once (a send's check, a claim's plan): they
+    /// are then read from memory, not from the store each time. The surface's key, if it has one.
+    pub(crate) fn ensure_surface_state(&mut self, agent: &str, surface: &SurfaceId) -> Option<SurfaceKey> {
+        let key = self.ensure_surface_key(surface)?;
+        if let Some(agent) = self.agent_keys.key(agent) {
+            self.cursors.ensure(crate::state::CURSORS_TAG, &(key, agent), &self.cold);
+        }
+        self.journals.ensure(crate::journal::JOURNALS_TAG, &key, &self.cold);
+        Some(key)
     }
 
     /// Moves the cursor of `key` to `to` if the rule allows it; the only place a cursor changes.

@@ -186,9 +186,8 @@ impl crate::State {
 
     /// The key of `surface`, assigning the next one when it has none; brought into memory.
     pub(crate) fn intern_surface(&mut self, surface: &SurfaceId) -> SurfaceKey {
-        self.surface_keys.ensure(SURFACE_KEYS_TAG, surface, &self.cold);
-        if let Some(key) = self.surface_keys.get(surface) {
-            return *key;
+        if let Some(key) = self.ensure_surface_key(surface) {
+            return key;
         }
         let index = self.surface_count.get(&()).copied().unwrap_or(0);
         let key = SurfaceKey(index);

@@ -121,8 +121,11 @@ impl crate::State {
 
     /// The window's rows of `surface` after `cursor`, newest first (ensured, or a complete state).
     pub fn newest_rows_after(&self, surface: SurfaceKey, cursor: u64) -> impl Iterator<Item = &RowMeta> {
+        // The window is read once: every ordinal of the range is in it.
         let (first, tail) = self.journal_window(surface);
-        (first.max(cursor.saturating_add(1))..=tail).rev().filter_map(move |ordinal| self.journal_row(surface, ordinal))
+        (first.max(cursor.saturating_add(1))..=tail)
+            .rev()
+            .filter_map(move |ordinal| self.journal_rows.get(&(surface, ordinal)))
     }
 
     /// The window's rows of `surface`, oldest first, for tools reading a complete state (a

@@ -723,7 +723,7 @@ impl State {
             }
             let item = self.queues.get_mut(&agent).and_then(|q| q.remove(slot)).expect("queued");
             for surface in Self::plan_surfaces(&item) {
-                if let Some(key) = self.surface_key(&surface) {
+                if let Some(key) = self.ensure_surface_state(&agent, &surface) {
                     let cursor = self.cursor(&agent, &surface).unwrap_or(0);
                     self.ensure_rows_after(key, cursor);
                 }
