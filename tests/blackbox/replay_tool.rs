@@ -241,3 +241,28 @@ async fn two_deployments_share_a_nats_server_under_their_own_prefixes() {
     );
     assert!(stderr.contains("overlap") && stderr.contains("subject prefix"), "{stderr}");
 }
+
+/// `store-stats`: refused while the server holds its data dir (it names the dir as in use);
+/// once the server stopped, it prints the dir's size on disk against what it holds, with the
+/// log tree and the checkpoint tree broken down by table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_stats_counts_a_stopped_servers_data_dir() {
+    let mut server = Server::start(Backend::Embedded);
+    incident(&server).await;
+    let data = server.data_dir();
+    let data = data.to_str().expect("a UTF-8 temp path");
+    let (ok, stdout, stderr) = Server::run_tool(&["store-stats", "--data", data]);
+    assert!(!ok, "{stdout}");
+    assert!(stderr.contains("is in use"), "{stderr}");
+    server.stop();
+    let (ok, stdout, stderr) = Server::run_tool(&["store-stats", "--data", data]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.starts_with(&format!("data dir {data}: ")) && stdout.contains("% live)"), "{stdout}");
+    assert!(stdout.contains("tree log: "), "{stdout}");
+    let checkpoint = stdout.split("tree checkpoint-embedded: ").nth(1).expect("the checkpoint tree");
+    for table in ["journal_rows (pages)", "identities", "cursors", "checkpoint metadata"] {
+        assert!(checkpoint.contains(table), "{table} in:\n{stdout}");
+    }
+    let (ok, _, stderr) = Server::run_tool(&["store-stats", "--data", &format!("{data}-missing")]);
+    assert!(!ok && stderr.contains("no data dir at"), "{stderr}");
+}

@@ -20,6 +20,10 @@ use crate::metrics::{AppendObserver, ObservedLog};
 use crate::projection::{Runner, RunnerConfig, RunnerError};
 use crate::{Engine, EngineConfig};
 
+/// The checkpoint trees of a data dir are named this, then the backend (`embedded`, or
+/// `jetstream-` and the stream name).
+pub const CHECKPOINT_TREE_PREFIX: &str = "checkpoint-";
+
 /// Which log the instance uses.
 #[derive(Clone, Debug)]
 pub enum Backend {
@@ -118,12 +122,14 @@ impl Instance {
         let db = crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true)
             .map_err(|e| data_dir_error(e.to_string()))?;
         let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
-            Backend::Embedded(embedded) => {
-                (Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?), "checkpoint-embedded".into(), "embedded")
-            }
+            Backend::Embedded(embedded) => (
+                Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?),
+                format!("{CHECKPOINT_TREE_PREFIX}embedded"),
+                "embedded",
+            ),
             Backend::JetStream(jetstream) => (
                 Arc::new(JetStreamLog::connect(jetstream.clone()).await?),
-                format!("checkpoint-jetstream-{}", jetstream.stream),
+                format!("{CHECKPOINT_TREE_PREFIX}jetstream-{}", jetstream.stream),
                 "jetstream",
             ),
         };

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod projection;
 pub mod replay;
 pub mod startup_pages;
+pub mod store_census;
 pub mod subject;
 pub mod testing;
 pub mod validate;

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anima_gateway::config::Config;
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 /// The engine's allocator. Under sustained load the system allocator kept freed memory spread
@@ -67,6 +68,13 @@ enum Command {
     Digest {
         /// The agent's directory.
         dir: PathBuf,
+    },
+    /// Print what a data dir takes on disk against what it holds: entries and bytes per tree and
+    /// per checkpoint table. The engine must be stopped (sled locks the directory).
+    StoreStats {
+        /// Data directory. Default ./data.
+        #[arg(long, env = "ANIMA_DATA", default_value = "data")]
+        data: PathBuf,
     },
 }
 
@@ -126,6 +134,12 @@ fn run() -> anyhow::Result<()> {
         Command::Serve(args) => runtime.block_on(serve(args)),
         Command::Replay(args) => runtime.block_on(anima_gateway::replay_command::run(args)),
         Command::Digest { dir } => anima_gateway::digest_command::run(&dir),
+        Command::StoreStats { data } => {
+            let census = anima_engine::store_census::census(&data)
+                .with_context(|| format!("store stats of {}", data.display()))?;
+            print!("{}", anima_engine::store_census::render(&data, &census));
+            Ok(())
+        }
     }
 }
 

@@ -559,6 +559,7 @@ macro_rules! state_tables {
                 match tag {
                     $( $tag => Some(stringify!($field)), )*
                     $( $ctag => Some(stringify!($cfield)), )*
+                    META_TAG => Some("meta"),
                     QUEUES_TAG => Some("queues"),
                     VERDICTS_TAG => Some("verdicts"),
                     QUEUE_ITEMS_TAG => Some("queue_items"),
