@@ -361,9 +361,11 @@ async fn call(channel: &Channel, caller: Caller, rpc: Rpc, agent: &str) -> Code 
             ),
             Rpc::SubscriptionsMute => code_of(subscriptions().mute(subscription).await),
             Rpc::SubscriptionsUnmute => code_of(subscriptions().unmute(unsubscription).await),
-            Rpc::SubscriptionsList => {
-                code_of(subscriptions().list(api::SubscriptionsListRequest { agent_id: agent.into() }).await)
-            }
+            Rpc::SubscriptionsList => code_of(
+                subscriptions()
+                    .list(api::SubscriptionsListRequest { agent_id: agent.into(), ..Default::default() })
+                    .await,
+            ),
             Rpc::MemoryPlan => code_of(memory().plan(api::MemoryPlanRequest::default()).await),
             Rpc::MemoryStatus => code_of(memory().status(api::MemoryStatusRequest { agent_id: agent.into() }).await),
             Rpc::ReplayRead => code_of(replay().read(api::ReplayReadRequest { limit: 1, ..Default::default() }).await),

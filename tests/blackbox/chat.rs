@@ -135,8 +135,11 @@ async fn scenario(backend: Backend) {
         .mute(api::MuteRequest { agent_id: "ada".into(), chat_target: Some(group_chat.clone()), ..Default::default() })
         .await
         .expect("mute");
-    let list =
-        subscriptions.list(api::SubscriptionsListRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+    let list = subscriptions
+        .list(api::SubscriptionsListRequest { agent_id: "ada".into(), ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner();
     let g1 = list.subscriptions.iter().find(|s| s.surface == "chat:t1:g1").expect("g1 listed");
     assert!(g1.member && g1.muted && g1.chat_target.as_ref() == Some(&group_chat) && g1.target.is_none(), "{g1:?}");
     let muted = ingest

@@ -118,8 +118,11 @@ async fn scenario(backend: Backend) {
         .mute(api::MuteRequest { agent_id: "ada".into(), target: Some(channel.clone()), ..Default::default() })
         .await
         .expect("mute");
-    let list =
-        subscriptions.list(api::SubscriptionsListRequest { agent_id: "ada".into() }).await.expect("list").into_inner();
+    let list = subscriptions
+        .list(api::SubscriptionsListRequest { agent_id: "ada".into(), ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner();
     let c1 = list.subscriptions.iter().find(|s| s.surface == "slack:T1:C1").expect("C1 listed");
     assert!(c1.member && c1.muted);
     assert!(list.subscriptions.iter().any(|s| s.surface == "slack:T1:C1:thread:1700000001.000100" && s.following));
@@ -294,4 +297,54 @@ async fn an_unstarted_claim_expires_on_the_embedded_log() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unstarted_claim_expires_on_jetstream() {
     an_unstarted_claim_expires(Backend::JetStream).await;
+}
+
+/// `Subscriptions.List` by page: an agent follows every thread it is mentioned in, so its
+/// subscriptions grow with the history. Pages of two, token after token, list exactly what one
+/// page of the default size lists; a token that is not one (or is another agent's) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_are_listed_by_page() {
+    let server = Server::start(Backend::Embedded);
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    for i in 1..=7 {
+        let ts = format!("17000000{i:02}.000100");
+        ingest
+            .append(slack_message(&["ada", "bob"], "C1", &ts, "", "U1", "<@U0ADA> <@U0BOB> a look?"))
+            .await
+            .expect("mention");
+    }
+    let mut subscriptions =
+        api::subscriptions_client::SubscriptionsClient::with_interceptor(server.channel().await, bearer(ADMIN_TOKEN));
+    let list = |agent: &str, page_size: u32, page_token: String| api::SubscriptionsListRequest {
+        agent_id: agent.into(),
+        page_size,
+        page_token,
+    };
+    let whole = subscriptions.list(list("ada", 0, String::new())).await.expect("list").into_inner();
+    assert_eq!(whole.next_page_token, "", "one page holds them all");
+    let mut surfaces: Vec<String> = whole.subscriptions.iter().map(|s| s.surface.clone()).collect();
+    assert_eq!(surfaces.len(), 8, "the channel and its seven threads: {surfaces:?}");
+    let mut walked = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = subscriptions.list(list("ada", 2, token)).await.expect("page").into_inner();
+        assert!(page.subscriptions.len() <= 2, "{page:?}");
+        walked.extend(page.subscriptions.iter().map(|s| s.surface.clone()));
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(walked, surfaces, "the pages, in order, are the whole list");
+    surfaces.sort();
+    surfaces.dedup();
+    assert_eq!(surfaces.len(), 8, "no subscription twice");
+    let first = subscriptions.list(list("ada", 2, String::new())).await.expect("page").into_inner();
+    for bad in ["zz", "0", &"ab".repeat(40)] {
+        let error = subscriptions.list(list("ada", 2, bad.to_owned())).await.unwrap_err();
+        assert_eq!(error.code(), Code::InvalidArgument, "{bad}: {error:?}");
+        assert!(error.message().starts_with("page_token:"), "{}", error.message());
+    }
+    let error = subscriptions.list(list("bob", 2, first.next_page_token)).await.unwrap_err();
+    assert_eq!(error.code(), Code::InvalidArgument, "ada's token on bob's list: {error:?}");
 }

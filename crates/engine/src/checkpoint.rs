@@ -343,6 +343,33 @@ impl anima_projections::cold::ColdStore for SledCold {
     fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
         state_scan(&self.tree, prefix).map_err(|e| e.to_string())
     }
+
+    fn scan_after(
+        &self,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<anima_projections::cold::Entries, String> {
+        if !slot_page::page_scan_prefixes(prefix).is_empty() {
+            // A paged table's entries are inside its pages: scanned whole, then cut.
+            let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string())?;
+            return Ok(anima_projections::cold::page_of(entries, after, limit));
+        }
+        let start = match after {
+            Some(after) => std::ops::Bound::Excluded(state_key(after)),
+            None => std::ops::Bound::Included(state_key(prefix)),
+        };
+        let full_prefix = state_key(prefix);
+        let mut out = Vec::new();
+        for entry in self.tree.range((start, std::ops::Bound::Unbounded)) {
+            let (key, value) = entry.map_err(|e| e.to_string())?;
+            if !key.starts_with(&full_prefix) || out.len() >= limit {
+                break;
+            }
+            out.push((key[1..].to_vec(), value.to_vec()));
+        }
+        Ok(out)
+    }
 }
 
 fn state_key(key: &[u8]) -> Vec<u8> {

@@ -569,8 +569,18 @@ impl api::subscriptions_server::Subscriptions for Services {
         request: Request<api::SubscriptionsListRequest>,
     ) -> Result<Response<api::SubscriptionsListResponse>, Status> {
         let principal = Principal::of(&request)?;
-        let agent = request.into_inner().agent_id;
+        let api::SubscriptionsListRequest { agent_id: agent, page_size, page_token } = request.into_inner();
         principal.require_agent(&agent)?;
+        let limit = match page_size {
+            0 => SUBSCRIPTIONS_PAGE_DEFAULT,
+            n => (n as usize).min(SUBSCRIPTIONS_PAGE_MAX),
+        };
+        let not_a_token =
+            || Status::invalid_argument("page_token: not a next_page_token of this agent's subscriptions");
+        let after = match page_token.as_str() {
+            "" => None,
+            token => Some(decode_page_token(token).ok_or_else(not_a_token)?),
+        };
         let state = self.engine.projection().state();
         if !state.agents.contains_key(&agent) {
             return Err(Status::invalid_argument(format!(
@@ -578,8 +588,8 @@ impl api::subscriptions_server::Subscriptions for Services {
                 anima_engine::validate::echo(&agent)
             )));
         }
-        let subscriptions = state
-            .subscriptions_of(&agent)
+        let (page, next) = state.subscriptions_page(&agent, after.as_deref(), limit).map_err(|_| not_a_token())?;
+        let subscriptions = page
             .into_iter()
             .filter(|(_, s)| s.member || s.following || s.muted)
             .map(|(surface, s)| {
@@ -600,8 +610,33 @@ impl api::subscriptions_server::Subscriptions for Services {
                 }
             })
             .collect();
-        Ok(Response::new(api::SubscriptionsListResponse { subscriptions, as_of_seq: state.meta.applied_seq }))
+        let next_page_token = next.map(|next| encode_page_token(&next)).unwrap_or_default();
+        Ok(Response::new(api::SubscriptionsListResponse {
+            subscriptions,
+            as_of_seq: state.meta.applied_seq,
+            next_page_token,
+        }))
     }
+}
+
+/// `Subscriptions.List` page sizes: when the request names none, and the most it may ask for.
+const SUBSCRIPTIONS_PAGE_DEFAULT: usize = 500;
+const SUBSCRIPTIONS_PAGE_MAX: usize = 1_000;
+/// A page token is the checkpoint key of the page's last entry, a few bytes, in hex.
+const PAGE_TOKEN_BYTES_MAX: usize = 16;
+
+fn encode_page_token(key: &[u8]) -> String {
+    key.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn decode_page_token(token: &str) -> Option<Vec<u8>> {
+    if !token.len().is_multiple_of(2)
+        || token.len() > 2 * PAGE_TOKEN_BYTES_MAX
+        || !token.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return None;
+    }
+    (0..token.len()).step_by(2).map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok()).collect()
 }
 
 /// The fields `MuteRequest` and `UnmuteRequest` share.

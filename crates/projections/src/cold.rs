@@ -38,6 +38,16 @@ pub trait ColdStore: Send + Sync {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String>;
     /// Every stored entry whose key starts with `prefix`, in key-byte order.
     fn scan(&self, prefix: &[u8]) -> Result<Entries, String>;
+    /// The first `limit` stored entries whose key starts with `prefix` and comes after `after`
+    /// (all of them when `after` is `None`), in key-byte order: a page of a scan.
+    fn scan_after(&self, prefix: &[u8], after: Option<&[u8]>, limit: usize) -> Result<Entries, String> {
+        Ok(page_of(self.scan(prefix)?, after, limit))
+    }
+}
+
+/// The first `limit` of `entries` (in key-byte order) whose key comes after `after`.
+pub fn page_of(entries: Entries, after: Option<&[u8]>, limit: usize) -> Entries {
+    entries.into_iter().filter(|(key, _)| after.is_none_or(|after| key.as_slice() > after)).take(limit).collect()
 }
 
 /// The state's handle on its cold store (none: everything is in memory).
@@ -64,6 +74,14 @@ impl Cold {
     pub(crate) fn scan(&self, prefix: &[u8]) -> Entries {
         let Some(store) = self.0.as_ref() else { return Vec::new() };
         match store.scan(prefix) {
+            Ok(entries) => entries,
+            Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
+        }
+    }
+
+    fn scan_after(&self, prefix: &[u8], after: Option<&[u8]>, limit: usize) -> Entries {
+        let Some(store) = self.0.as_ref() else { return Vec::new() };
+        match store.scan_after(prefix, after, limit) {
             Ok(entries) => entries,
             Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
         }
@@ -390,6 +408,55 @@ where
         out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
     }
 
+    /// A page of the entries of one owner, in memory or in the store, without keeping what it
+    /// reads: at most `limit` present entries whose checkpoint key (tag included) starts with
+    /// `prefix` and comes after `after`, in checkpoint-key byte order, each with that key (a
+    /// page token). `owned(key)` says whether a key in memory is the owner's (its checkpoint key
+    /// starts with `prefix`), so that only those are encoded. For a table that stores each key
+    /// as itself.
+    ///
+    /// The store is read for `limit` entries plus one per known-absent key of the owner in
+    /// memory, so the page is exact: a removal in memory hides a stored entry, and the entries
+    /// beyond the ones read are all after the `limit` present ones the page holds. What is
+    /// looked at in memory is every entry (the cost follows the table's memory, which the
+    /// budget bounds), what is read from the store is the page.
+    pub fn page_entries(
+        &self,
+        tag: u8,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+        owned: impl Fn(&K) -> bool,
+        cold: &Cold,
+    ) -> Vec<(Vec<u8>, K, V)>
+    where
+        V: Clone,
+    {
+        debug_assert!(S::counts_let_go(), "pages are of tables that store each key as itself");
+        let mut page: BTreeMap<Vec<u8>, (K, Option<V>)> = BTreeMap::new();
+        let mut absent = 0;
+        for (key, entry) in self.map.iter() {
+            if !owned(key) {
+                continue;
+            }
+            let stored = crate::state::tagged(tag, key);
+            if !stored.starts_with(prefix) || after.is_some_and(|after| stored.as_slice() <= after) {
+                continue;
+            }
+            absent += usize::from(entry.value.is_none());
+            page.insert(stored, (key.clone(), entry.value.clone()));
+        }
+        if !self.complete {
+            for (stored, bytes) in cold.scan_after(prefix, after, limit.saturating_add(absent)) {
+                if let std::collections::btree_map::Entry::Vacant(slot) = page.entry(stored) {
+                    let (key, value) = Self::decode_stored(slot.key(), &bytes);
+                    slot.insert((key, Some(value)));
+                }
+            }
+        }
+        page.into_iter().filter_map(|(stored, (key, value))| Some((stored, key, value?))).take(limit).collect()
+    }
+
     /// Removes `key` whether or not it is in memory (no read of the store): the next checkpoint
     /// removes it there too.
     pub fn forget(&mut self, key: K) {
@@ -706,6 +773,44 @@ mod tests {
         }
         checkpoint(&mut table, &store);
         (store, cold, table)
+    }
+
+    /// Pages of a table read from memory and the store together, token after token, are the
+    /// table's entries in checkpoint-key order, whatever left memory: stored entries removed in
+    /// memory are not on them, entries not checkpointed yet and newer values are.
+    #[test]
+    fn pages_walk_memory_and_store_as_one_table() {
+        let (store, cold, mut table) = checkpointed_table(300);
+        table.set_backed();
+        assert_eq!(table.evict(250), 250);
+        let mut expected: BTreeMap<Vec<u8>, u64> =
+            (0..300).map(|key| (crate::state::tagged(TAG, &key), key * 2)).collect();
+        // Removals of keys in memory and in the store only, new keys, a changed value.
+        for key in [0u64, 7, 128, 129, 255, 299] {
+            table.ensure(TAG, &key, &cold);
+            table.remove(&key);
+            expected.remove(&crate::state::tagged(TAG, &key));
+        }
+        for key in [1_000u64, 100_000, 3] {
+            table.ensure(TAG, &key, &cold);
+            table.insert(key, key + 1);
+            expected.insert(crate::state::tagged(TAG, &key), key + 1);
+        }
+        for limit in [1, 7, 300, 1_000] {
+            let mut after: Option<Vec<u8>> = None;
+            let mut walked = Vec::new();
+            loop {
+                let page = table.page_entries(TAG, &[TAG], after.as_deref(), limit, |_| true, &cold);
+                assert!(page.len() <= limit);
+                walked.extend(page.iter().map(|(stored, _, value)| (stored.clone(), *value)));
+                if page.len() < limit {
+                    break;
+                }
+                after = page.last().map(|(stored, _, _)| stored.clone());
+            }
+            assert_eq!(walked, expected.clone().into_iter().collect::<Vec<_>>(), "pages of {limit}");
+        }
+        drop(store);
     }
 
     #[test]

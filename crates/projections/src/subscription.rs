@@ -221,6 +221,42 @@ impl State {
         entries
     }
 
+    /// A page of `agent`'s subscriptions, from memory and the store: at most `limit`, after
+    /// the page token `after` (the token of a page before; `None` for the first page), in
+    /// the order of their checkpoint keys, which is fixed for a key but follows no meaning.
+    /// Returns the page and the token of its last entry when the page is full (there may be
+    /// more), else `None`. `Err` when `after` is not a token of this agent's subscriptions.
+    /// The store is read for the page only: an agent follows every thread it is mentioned in,
+    /// so its subscriptions grow with the history.
+    pub fn subscriptions_page(
+        &self,
+        agent: &str,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<SubscriptionsPage, NotAPageToken> {
+        let Some(agent_key) = self.agent_keys.key(agent) else { return Ok((Vec::new(), None)) };
+        let prefix = crate::state::tagged(SUBSCRIPTIONS_TAG, &agent_key);
+        if after.is_some_and(|after| !after.starts_with(&prefix) || after.len() > prefix.len() + 5) {
+            return Err(NotAPageToken);
+        }
+        let entries = self.subscriptions.page_entries(
+            SUBSCRIPTIONS_TAG,
+            &prefix,
+            after,
+            limit,
+            |(a, _)| *a == agent_key,
+            &self.cold,
+        );
+        let next = (entries.len() == limit).then(|| entries.last().map(|(stored, _, _)| stored.clone())).flatten();
+        let page = entries
+            .into_iter()
+            .map(|(_, (_, surface), subscription)| {
+                (self.surface_of(surface).expect("an interned surface"), subscription)
+            })
+            .collect();
+        Ok((page, next))
+    }
+
     /// Routes one observed message for one receiving agent (first match wins), updating follows
     /// and membership in the same step. Attention is counted only when the wake is queued.
     pub(crate) fn route(&mut self, agent: &str, observed: &Observed<'_>) -> Routed {
@@ -362,6 +398,14 @@ impl State {
         Verdict::SubscriptionChanged { surface, muted: request.mute }
     }
 }
+
+/// A page of an agent's subscriptions, and the token of the next page when there may be one.
+pub type SubscriptionsPage = (Vec<(SurfaceId, Subscription)>, Option<Vec<u8>>);
+
+/// A page token that is not one of the subscriptions asked for (another agent's, or not a
+/// token at all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotAPageToken;
 
 #[cfg(test)]
 mod tests {
