@@ -88,6 +88,9 @@ struct Args {
     /// Seconds between `Replay.StateAt` calls (0: none).
     #[arg(long, default_value_t = 5.0)]
     state_at_every_seconds: f64,
+    /// Seconds between walks of one agent's `Subscriptions.List` pages (0: none).
+    #[arg(long, default_value_t = 10.0)]
+    list_every_seconds: f64,
     /// HTTP/2 connections the clients share.
     #[arg(long, default_value_t = 4)]
     connections: usize,
@@ -131,8 +134,8 @@ impl Args {
         if self.ingest_streams == 0 || self.send_loops == 0 || self.connections == 0 || self.report_every_seconds == 0 {
             bail!("--ingest-streams, --send-loops, --connections and --report-every-seconds must be at least 1");
         }
-        if !(self.counts_every_seconds >= 0.0 && self.state_at_every_seconds >= 0.0) {
-            bail!("--counts-every-seconds and --state-at-every-seconds must be ≥ 0");
+        if !(self.counts_every_seconds >= 0.0 && self.state_at_every_seconds >= 0.0 && self.list_every_seconds >= 0.0) {
+            bail!("--counts-every-seconds, --state-at-every-seconds and --list-every-seconds must be ≥ 0");
         }
         Ok(())
     }
@@ -253,7 +256,7 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     ));
     eprintln!(
         "anima-load: {} s of load: {} agents, {} surfaces, ingest {}/s over {} streams, wakes ≤ {}/s, \
-         sends {}/s over {} loops, Counts every {} s, StateAt every {} s",
+         sends {}/s over {} loops, Counts every {} s, StateAt every {} s, List every {} s",
         args.duration_seconds,
         args.agents,
         args.surfaces,
@@ -263,7 +266,8 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
         args.sends_per_second,
         args.send_loops,
         args.counts_every_seconds,
-        args.state_at_every_seconds
+        args.state_at_every_seconds,
+        args.list_every_seconds
     );
 
     let mut report = Report::default();
@@ -403,6 +407,10 @@ fn spawn_load(
     if args.state_at_every_seconds > 0.0 {
         let period = Duration::from_secs_f64(args.state_at_every_seconds);
         tasks.spawn(workload::state_at_reader(fleet.clone(), channel(), period, stop.clone(), recorder.clone()));
+    }
+    if args.list_every_seconds > 0.0 {
+        let period = Duration::from_secs_f64(args.list_every_seconds);
+        tasks.spawn(workload::list_reader(fleet.clone(), channel(), period, stop.clone(), recorder.clone()));
     }
 }
 

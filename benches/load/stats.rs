@@ -22,10 +22,11 @@ pub enum Rpc {
     ConfirmResponse,
     Counts,
     StateAt,
+    List,
 }
 
 impl Rpc {
-    pub const ALL: [Rpc; 10] = [
+    pub const ALL: [Rpc; 11] = [
         Rpc::AppendStream,
         Rpc::Claim,
         Rpc::Start,
@@ -36,6 +37,7 @@ impl Rpc {
         Rpc::ConfirmResponse,
         Rpc::Counts,
         Rpc::StateAt,
+        Rpc::List,
     ];
 
     pub fn name(self) -> &'static str {
@@ -50,6 +52,7 @@ impl Rpc {
             Rpc::ConfirmResponse => "ConfirmResponse",
             Rpc::Counts => "Counts",
             Rpc::StateAt => "StateAt",
+            Rpc::List => "List",
         }
     }
 

@@ -8,7 +8,8 @@
 //!   `Respond` + `ConfirmResponse`), `Finish`.
 //! * Send loops: `Send` (resent when held) + `Confirm` on the agents' surfaces, as an agent that
 //!   posts outside its wakes.
-//! * Readers: `Analytics.Counts` and `Replay.StateAt`, each one call at a time at a low rate; a
+//! * Readers: `Analytics.Counts`, `Replay.StateAt` and `Subscriptions.List` (every page of one
+//!   agent's subscriptions, page after page), each one call at a time at a low rate; a
 //!   call still running when the run ends is abandoned (not counted).
 //!
 //! Every call is timed from just before it is made until its answer, and recorded by code when it
@@ -24,6 +25,7 @@ use anima_gateway::api::analytics_client::AnalyticsClient;
 use anima_gateway::api::ingest_client::IngestClient;
 use anima_gateway::api::replay_client::ReplayClient;
 use anima_gateway::api::sends_client::SendsClient;
+use anima_gateway::api::subscriptions_client::SubscriptionsClient;
 use anima_gateway::api::wakes_client::WakesClient;
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
@@ -678,6 +680,44 @@ pub async fn state_at_reader(
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = timed(&recorder, Rpc::StateAt, replay.state_at(request)) => {}
+        }
+    }
+}
+
+/// Pages of `Subscriptions.List` asked for at once: the most the API answers.
+const LIST_PAGE_SIZE: u32 = 1_000;
+
+/// Every page of one agent's subscriptions after another (each page a timed call), one agent
+/// every `period`, until `stop`. Every mention makes its agent follow a thread, so the pages
+/// walked grow with the run.
+pub async fn list_reader(
+    fleet: Arc<Fleet>,
+    channel: Channel,
+    period: Duration,
+    stop: CancellationToken,
+    recorder: Arc<Recorder>,
+) {
+    let mut subscriptions = SubscriptionsClient::new(channel);
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    for round in 0usize.. {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let agent_id = fleet.agents[round % fleet.agents.len()].id.clone();
+        let mut page_token = String::new();
+        loop {
+            let request =
+                api::SubscriptionsListRequest { agent_id: agent_id.clone(), page_size: LIST_PAGE_SIZE, page_token };
+            let answer = tokio::select! {
+                _ = stop.cancelled() => return,
+                answer = timed(&recorder, Rpc::List, subscriptions.list(request)) => answer,
+            };
+            match answer {
+                Some(page) if !page.next_page_token.is_empty() => page_token = page.next_page_token,
+                _ => break,
+            }
         }
     }
 }

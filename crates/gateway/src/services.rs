@@ -581,14 +581,18 @@ impl api::subscriptions_server::Subscriptions for Services {
             "" => None,
             token => Some(decode_page_token(token).ok_or_else(not_a_token)?),
         };
-        let state = self.engine.projection().state();
-        if !state.agents.contains_key(&agent) {
-            return Err(Status::invalid_argument(format!(
-                "agent_id: unknown agent {}",
-                anima_engine::validate::echo(&agent)
-            )));
-        }
-        let (page, next) = state.subscriptions_page(&agent, after.as_deref(), limit).map_err(|_| not_a_token())?;
+        // The state lock is held for reading the page only, not for building the answer.
+        let (page, next, as_of_seq) = {
+            let state = self.engine.projection().state();
+            if !state.agents.contains_key(&agent) {
+                return Err(Status::invalid_argument(format!(
+                    "agent_id: unknown agent {}",
+                    anima_engine::validate::echo(&agent)
+                )));
+            }
+            let (page, next) = state.subscriptions_page(&agent, after.as_deref(), limit).map_err(|_| not_a_token())?;
+            (page, next, state.meta.applied_seq)
+        };
         let subscriptions = page
             .into_iter()
             .filter(|(_, s)| s.member || s.following || s.muted)
@@ -611,11 +615,7 @@ impl api::subscriptions_server::Subscriptions for Services {
             })
             .collect();
         let next_page_token = next.map(|next| encode_page_token(&next)).unwrap_or_default();
-        Ok(Response::new(api::SubscriptionsListResponse {
-            subscriptions,
-            as_of_seq: state.meta.applied_seq,
-            next_page_token,
-        }))
+        Ok(Response::new(api::SubscriptionsListResponse { subscriptions, as_of_seq, next_page_token }))
     }
 }
 
