@@ -639,21 +639,50 @@ pub async fn send_loop(
     }
 }
 
+/// A reader's pace: one round every `period` until `stop`.
+struct Rounds {
+    tick: tokio::time::Interval,
+    stop: CancellationToken,
+}
+
+impl Rounds {
+    fn new(period: Duration, stop: CancellationToken) -> Self {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Rounds { tick, stop }
+    }
+
+    /// Waits for the next round; `false` once the run is over.
+    async fn next(&mut self) -> bool {
+        tokio::select! {
+            _ = self.stop.cancelled() => false,
+            _ = self.tick.tick() => true,
+        }
+    }
+
+    /// A reader's call, timed; `None` (abandoned) when the run ends first: a reader's call may
+    /// take seconds on a long log.
+    async fn call<T>(
+        &self,
+        recorder: &Recorder,
+        rpc: Rpc,
+        call: impl Future<Output = Result<tonic::Response<T>, Status>>,
+    ) -> Option<Option<T>> {
+        tokio::select! {
+            _ = self.stop.cancelled() => None,
+            answer = timed(recorder, rpc, call) => Some(answer),
+        }
+    }
+}
+
 /// `Analytics.Counts` over the whole log, one call every `period`, until `stop`.
 pub async fn counts_reader(channel: Channel, period: Duration, stop: CancellationToken, recorder: Arc<Recorder>) {
     let mut analytics = AnalyticsClient::new(channel);
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
+    let mut rounds = Rounds::new(period, stop);
+    while rounds.next().await {
         let request = api::AnalyticsCountsRequest { range: None, bucket: api::AnalyticsBucket::Minute as i32 };
-        // A reader's call may take seconds on a long log: the end of the run abandons it.
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = timed(&recorder, Rpc::Counts, analytics.counts(request)) => {}
+        if rounds.call(&recorder, Rpc::Counts, analytics.counts(request)).await.is_none() {
+            return;
         }
     }
 }
@@ -668,18 +697,15 @@ pub async fn state_at_reader(
     recorder: Arc<Recorder>,
 ) {
     let mut replay = ReplayClient::new(channel);
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut rounds = Rounds::new(period, stop);
     for round in 0usize.. {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
+        if !rounds.next().await {
+            return;
         }
         let agent_id = fleet.agents[round % fleet.agents.len()].id.clone();
         let request = api::ReplayStateAtRequest { at: None, agent_id, surface: String::new() };
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = timed(&recorder, Rpc::StateAt, replay.state_at(request)) => {}
+        if rounds.call(&recorder, Rpc::StateAt, replay.state_at(request)).await.is_none() {
+            return;
         }
     }
 }
@@ -698,25 +724,20 @@ pub async fn list_reader(
     recorder: Arc<Recorder>,
 ) {
     let mut subscriptions = SubscriptionsClient::new(channel);
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut rounds = Rounds::new(period, stop);
     for round in 0usize.. {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
+        if !rounds.next().await {
+            return;
         }
         let agent_id = fleet.agents[round % fleet.agents.len()].id.clone();
         let mut page_token = String::new();
         loop {
             let request =
                 api::SubscriptionsListRequest { agent_id: agent_id.clone(), page_size: LIST_PAGE_SIZE, page_token };
-            let answer = tokio::select! {
-                _ = stop.cancelled() => return,
-                answer = timed(&recorder, Rpc::List, subscriptions.list(request)) => answer,
-            };
-            match answer {
-                Some(page) if !page.next_page_token.is_empty() => page_token = page.next_page_token,
-                _ => break,
+            match rounds.call(&recorder, Rpc::List, subscriptions.list(request)).await {
+                None => return,
+                Some(Some(page)) if !page.next_page_token.is_empty() => page_token = page.next_page_token,
+                Some(_) => break,
             }
         }
     }

@@ -40,6 +40,16 @@ pub const EPOCH_KEY: &[u8] = b"m:epoch";
 /// pairs): written before its entries, removed after them (see the module's documentation).
 pub const PENDING_KEY: &[u8] = b"m:pending";
 
+/// The checkpoint trees of a data dir are named this, then the backend.
+pub const CHECKPOINT_TREE_PREFIX: &str = "checkpoint-";
+/// Name of the checkpoint tree of the embedded log in a data dir.
+pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
+
+/// Name of the checkpoint tree of a JetStream stream in a data dir.
+pub fn jetstream_checkpoint_tree(stream: &str) -> String {
+    format!("{CHECKPOINT_TREE_PREFIX}jetstream-{stream}")
+}
+
 /// A checkpoint's change set: full tree keys, each with its new value or `None` (removed).
 type ChangeSet = Vec<(Vec<u8>, Option<Vec<u8>>)>;
 

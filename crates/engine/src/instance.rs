@@ -20,10 +20,6 @@ use crate::metrics::{AppendObserver, ObservedLog};
 use crate::projection::{Runner, RunnerConfig, RunnerError};
 use crate::{Engine, EngineConfig};
 
-/// The checkpoint trees of a data dir are named this, then the backend (`embedded`, or
-/// `jetstream-` and the stream name).
-pub const CHECKPOINT_TREE_PREFIX: &str = "checkpoint-";
-
 /// Which log the instance uses.
 #[derive(Clone, Debug)]
 pub enum Backend {
@@ -124,12 +120,12 @@ impl Instance {
         let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
             Backend::Embedded(embedded) => (
                 Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?),
-                format!("{CHECKPOINT_TREE_PREFIX}embedded"),
+                crate::checkpoint::EMBEDDED_CHECKPOINT_TREE.to_owned(),
                 "embedded",
             ),
             Backend::JetStream(jetstream) => (
                 Arc::new(JetStreamLog::connect(jetstream.clone()).await?),
-                format!("{CHECKPOINT_TREE_PREFIX}jetstream-{}", jetstream.stream),
+                crate::checkpoint::jetstream_checkpoint_tree(&jetstream.stream),
                 "jetstream",
             ),
         };

@@ -1019,13 +1019,7 @@ pub async fn tap(
     Ok(events.boxed())
 }
 
-/// Name of the checkpoint tree of the embedded log in a data dir.
-pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
-
-/// Name of the checkpoint tree of a JetStream stream in a data dir.
-pub fn jetstream_checkpoint_tree(stream: &str) -> String {
-    format!("checkpoint-jetstream-{stream}")
-}
+pub use crate::checkpoint::{jetstream_checkpoint_tree, EMBEDDED_CHECKPOINT_TREE};
 
 /// A log opened directly, without a server, and the data dir holding its checkpoint (if any).
 pub struct DirectSource {

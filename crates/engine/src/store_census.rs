@@ -2,11 +2,10 @@
 //!
 //! sled 0.34 appends every write to its segment file and reclaims a segment only once at most
 //! half of it is live, by rewriting its live pages as other writes go on; nothing shrinks the
-//! file but the tail becoming free. Under steady checkpoint traffic the file can grow far past
-//! what the store holds (README, "Where the memory goes"), and the engine's RSS follows sled's
-//! bookkeeping of the file's pages. This census reads every entry once (keys and values, as
-//! stored) and groups them by tree and, in a checkpoint tree, by table, so an operator can see
-//! how much of the file is live and which table holds it.
+//! file but the tail becoming free. Under steady checkpoint traffic the file grew far past what
+//! the store holds (README, "Where the memory goes"). This census reads every entry once (keys
+//! and values, as stored) and groups them by tree and, in a checkpoint tree, by table, so an
+//! operator can see how much of the file is live and which table holds it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -82,7 +81,7 @@ pub fn census(dir: &Path) -> Result<StoreCensus, CensusError> {
     for name in db.tree_names() {
         let tree = db.open_tree(&name).map_err(read_error)?;
         let name = String::from_utf8_lossy(&name).into_owned();
-        let checkpoint = name.starts_with(crate::instance::CHECKPOINT_TREE_PREFIX);
+        let checkpoint = name.starts_with(crate::checkpoint::CHECKPOINT_TREE_PREFIX);
         let mut census = TreeCensus { name, ..TreeCensus::default() };
         for entry in tree.iter() {
             let (key, value) = entry.map_err(read_error)?;
@@ -165,7 +164,7 @@ mod tests {
             for seq in 0u64..5 {
                 log.insert(seq.to_be_bytes(), vec![7u8; 100]).unwrap();
             }
-            let checkpoint = db.open_tree(format!("{}embedded", crate::instance::CHECKPOINT_TREE_PREFIX)).unwrap();
+            let checkpoint = db.open_tree(crate::checkpoint::EMBEDDED_CHECKPOINT_TREE).unwrap();
             checkpoint.insert([STATE_PREFIX, identities, 1], vec![0u8; 10]).unwrap();
             checkpoint.insert([STATE_PREFIX, identities, 2], vec![0u8; 20]).unwrap();
             checkpoint.insert([STATE_PREFIX, rows | slot_page::PAGE_TAG_BIT, 1], vec![0u8; 30]).unwrap();

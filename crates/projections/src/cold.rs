@@ -780,7 +780,7 @@ mod tests {
     /// memory are not on them, entries not checkpointed yet and newer values are.
     #[test]
     fn pages_walk_memory_and_store_as_one_table() {
-        let (store, cold, mut table) = checkpointed_table(300);
+        let (_store, cold, mut table) = checkpointed_table(300);
         table.set_backed();
         assert_eq!(table.evict(250), 250);
         let mut expected: BTreeMap<Vec<u8>, u64> =
@@ -810,7 +810,6 @@ mod tests {
             }
             assert_eq!(walked, expected.clone().into_iter().collect::<Vec<_>>(), "pages of {limit}");
         }
-        drop(store);
     }
 
     #[test]

@@ -73,8 +73,8 @@ impl State {
         if let Some(refusal) = self.check_do_not_contact(&surface, &request.mentioned_user_ids) {
             return Verdict::Send(SendVerdict::NotContacted(refusal));
         }
-        let cursor_key =
-            self.ensure_surface_state(agent, &surface).and_then(|s| Some((self.agent_keys.key(agent)?, s)));
+        let surface_key = self.ensure_surface_state(agent, &surface);
+        let cursor_key = self.agent_keys.key(agent).zip(surface_key);
         let Some((cursor_key, cursor)) = cursor_key.and_then(|key| Some((key, self.cursor_by_key(key.0, key.1)?)))
         else {
             return Verdict::Send(SendVerdict::Allowed { surface, cursor_before: None, cursor_after: None });
