@@ -40,7 +40,13 @@ def main():
     parser.add_argument("--token", help="an admin token, when the server has [[tokens]]")
     args = parser.parse_args()
 
-    generate_client(tempfile.mkdtemp(prefix="anima-quickstart-"))
+    with tempfile.TemporaryDirectory(prefix="anima-quickstart-") as out:
+        generate_client(out)
+        run(args)
+
+
+def run(args):
+    """The quickstart's calls, with the client code generated and on sys.path."""
     import grpc
     from anima.v1 import api_pb2 as api
     from anima.v1 import api_pb2_grpc

@@ -6,6 +6,7 @@ The binary must be built first (`cargo build --workspace --bins`, as the README'
 does); `ANIMA_WAKE` overrides where it is looked for.
 """
 
+import atexit
 import os
 import pathlib
 import queue
@@ -36,6 +37,8 @@ def generated_dir():
     global _generated
     if _generated is None:
         out = tempfile.mkdtemp(prefix="anima-proto-")
+        # The modules are imported from here for the rest of the process; removed when it ends.
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
         protos = sorted(str(p) for p in (PROTO / "anima" / "v1").glob("*.proto"))
         subprocess.run(
             [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO}", f"--python_out={out}",
