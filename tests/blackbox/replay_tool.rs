@@ -266,3 +266,48 @@ async fn store_stats_counts_a_stopped_servers_data_dir() {
     let (ok, _, stderr) = Server::run_tool(&["store-stats", "--data", &format!("{data}-missing")]);
     assert!(!ok && stderr.contains("no data dir at"), "{stderr}");
 }
+
+/// The replay tool's `command` through the server's API: its output.
+fn replay_through_api(server: &Server, command: &[&str]) -> String {
+    let api_url = format!("http://{}", server.addr);
+    let mut args = vec!["replay", "--api", &api_url, "--token", REPLAY_TOKEN, "--progress", "off"];
+    args.extend_from_slice(command);
+    let (ok, stdout, stderr) = Server::run_tool(&args);
+    assert!(ok, "replay {command:?} through the API failed: {stderr}");
+    stdout
+}
+
+/// `compact`: refused while the server holds its data dir; once it stopped, it copies the dir
+/// into a new one that the server restarts on with the same state (the replay tool's `state`
+/// and `timeline` read the same through the API), and the server goes on deciding on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compact_copies_a_stopped_servers_data_dir_and_the_server_runs_on_the_copy() {
+    let mut server = Server::start(Backend::Embedded);
+    incident(&server).await;
+    let views = [&["state", "--agent", "ada"][..], &["timeline", "--surface", "slack:T1:D1"][..]];
+    let before: Vec<String> = views.iter().map(|command| replay_through_api(&server, command)).collect();
+    let data = server.data_dir();
+    let copy = data.with_file_name("data-compact");
+    let (data_arg, copy_arg) = (data.to_str().expect("a UTF-8 temp path"), copy.to_str().expect("UTF-8"));
+    let (ok, stdout, stderr) = Server::run_tool(&["compact", "--data", data_arg, "--into", copy_arg]);
+    assert!(!ok && stderr.contains("is in use"), "{stdout}{stderr}");
+    assert!(!copy.exists(), "a refused compaction writes nothing");
+    server.stop();
+    let (ok, stdout, stderr) = Server::run_tool(&["compact", "--data", data_arg, "--into", copy_arg]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.starts_with(&format!("compacted {data_arg} (")) && stdout.contains("checked"), "{stdout}");
+    assert!(stderr.contains("compact: tree log: "), "progress names the trees: {stderr}");
+    let (ok, _, stderr) = Server::run_tool(&["compact", "--data", data_arg, "--into", copy_arg]);
+    assert!(!ok && stderr.contains("already exists"), "{stderr}");
+    // The server starts on the copy (moved where its data dir was): same state, same answers.
+    std::fs::rename(&data, data.with_file_name("data-before")).expect("move the old dir away");
+    std::fs::rename(&copy, &data).expect("the copy takes its place");
+    server.restart();
+    let after: Vec<String> = views.iter().map(|command| replay_through_api(&server, command)).collect();
+    assert_eq!(after, before, "the copy holds the same log and state");
+    let mut ingest = server.ingest(CONNECTOR_TOKEN).await;
+    let mut sends = server.sends(ADA_RUNTIME_TOKEN).await;
+    ingest.append(slack_message(&["ada"], "D1", "1700000003.000100", "", "U1", "still red")).await.expect("dm");
+    let held = sends.send(send_request("ada", slack_target("D1", ""))).await.expect("send").into_inner();
+    assert!(matches!(held.verdict, Some(api::send_response::Verdict::Held(_))), "the new DM holds: {held:?}");
+}

@@ -6,6 +6,7 @@ pub mod analytics;
 pub mod checkpoint;
 pub mod clock;
 pub mod command;
+pub mod compact;
 pub mod data_dir;
 pub mod digest;
 pub mod instance;

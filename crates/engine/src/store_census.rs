@@ -27,7 +27,7 @@ pub struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, key: &[u8], value: &[u8]) {
+    pub(crate) fn add(&mut self, key: &[u8], value: &[u8]) {
         self.entries += 1;
         self.bytes += (key.len() + value.len()) as u64;
     }

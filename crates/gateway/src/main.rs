@@ -76,6 +76,17 @@ enum Command {
         #[arg(long, env = "ANIMA_DATA", default_value = "data")]
         data: PathBuf,
     },
+    /// Copy a stopped engine's data dir into a new, compact one (every tree, checked against the
+    /// source), to give back the disk sled's file keeps. The source is left as it was; start the
+    /// engine on the copy (`--data NEW`), then remove the old dir.
+    Compact {
+        /// Data directory to copy. Default ./data.
+        #[arg(long, env = "ANIMA_DATA", default_value = "data")]
+        data: PathBuf,
+        /// The new data dir; must not exist.
+        #[arg(long)]
+        into: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -140,7 +151,29 @@ fn run() -> anyhow::Result<()> {
             print!("{}", anima_engine::store_census::render(&data, &census));
             Ok(())
         }
+        Command::Compact { data, into } => compact(&data, &into),
     }
+}
+
+fn compact(data: &std::path::Path, into: &std::path::Path) -> anyhow::Result<()> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let started = std::time::Instant::now();
+    let compaction = anima_engine::compact::compact(data, into, |tree, entries| {
+        eprintln!("compact: tree {tree}: {entries} entries copied");
+    })
+    .with_context(|| format!("compacting {} into {}", data.display(), into.display()))?;
+    println!(
+        "compacted {} ({:.1} MiB on disk) into {} ({:.1} MiB on disk): {} entries in {} trees, checked, in {:.1} s",
+        data.display(),
+        compaction.before_bytes as f64 / MIB,
+        into.display(),
+        compaction.after_bytes as f64 / MIB,
+        compaction.entries(),
+        compaction.trees.len(),
+        started.elapsed().as_secs_f64(),
+    );
+    println!("start the engine with --data {} (the old dir is no longer needed then)", into.display());
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
