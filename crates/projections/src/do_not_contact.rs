@@ -149,7 +149,11 @@ impl State {
 
     /// A person (not an agent, not a bot) wrote in a DM: they are its other member.
     pub(crate) fn note_dm_member(&mut self, dm: SurfaceKey, user_id: &str) {
-        if !user_id.is_empty() && self.dm_members.get(&dm).map(String::as_str) != Some(user_id) {
+        if user_id.is_empty() {
+            return;
+        }
+        self.dm_members.ensure(crate::state::DM_MEMBERS_TAG, &dm, &self.cold);
+        if self.dm_members.get(&dm).map(String::as_str) != Some(user_id) {
             self.dm_members.insert(dm, user_id.to_owned());
         }
     }
@@ -173,7 +177,7 @@ impl State {
             SurfaceId::Slack { team, .. } => (team, Some(surface.is_slack_dm())),
             SurfaceId::Chat { tenant, .. } => {
                 let top = self.surface_key(&surface.top_level());
-                let kind = top.and_then(|k| self.chat_kinds.get(&k));
+                let kind = top.and_then(|k| self.chat_kinds.get_or_read(crate::state::CHAT_KINDS_TAG, &k, &self.cold));
                 (tenant, kind.map(|kind| *kind == crate::surface::ChatKind::P2p))
             }
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => return None,
@@ -182,8 +186,13 @@ impl State {
         let Some(direct) = direct else {
             return Some(refuse(NotContactedReason::CouldNotVerify, None, None));
         };
-        let dm_member =
-            if direct { self.surface_key(&surface.top_level()).and_then(|dm| self.dm_members.get(&dm)) } else { None };
+        let dm_member = if direct {
+            self.surface_key(&surface.top_level())
+                .and_then(|dm| self.dm_members.get_or_read(crate::state::DM_MEMBERS_TAG, &dm, &self.cold))
+        } else {
+            None
+        };
+        let dm_member = dm_member.as_deref();
         if let Some(user) = mentioned.iter().find(|user| listed.contains(*user)) {
             return Some(refuse(NotContactedReason::Listed, Some(user), dm_member));
         }

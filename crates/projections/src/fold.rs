@@ -268,6 +268,7 @@ impl State {
         let surface =
             SurfaceId::chat_message(&message.tenant_id, &message.chat_id, &message.message_id, &message.thread_id);
         let chat = self.intern_surface(&surface.top_level());
+        self.chat_kinds.ensure(crate::state::CHAT_KINDS_TAG, &chat, &self.cold);
         if self.chat_kinds.get(&chat) != Some(&kind) {
             self.chat_kinds.insert(chat, kind);
         }

@@ -24,9 +24,10 @@ use crate::wake::{AgentQueue, WakeItem};
 /// agent) and checkpointed in pages of surfaces; 19: subscriptions and the windows of Linear
 /// receipts, sessions and responses are cold tables, left in the store at a restore; a session
 /// is forgotten by its place among session receipts, not among distinct sessions; 20: the
-/// surface interner, the journal headers and the cursors are cold tables) and decision rules. A
-/// checkpoint taken by another version is discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 20;
+/// surface interner, the journal headers and the cursors are cold tables; 21: the chat kinds and
+/// the DM members are cold tables) and decision rules. A checkpoint taken by another version is
+/// discarded and state is rebuilt from the log.
+pub const FOLD_VERSION: u32 = 21;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;
@@ -178,8 +179,8 @@ pub struct State {
     /// Chat user ids → the agent they belong to.
     pub chat_identities: Table<String, String>,
     /// A chat's top-level surface → whether it is one-to-one, as its newest observation said.
-    /// A chat id does not tell; p2p chats behave like DMs.
-    pub chat_kinds: Table<SurfaceKey, ChatKind>,
+    /// A chat id does not tell; p2p chats behave like DMs. Cold: one entry per chat ever seen.
+    pub chat_kinds: ColdTable<SurfaceKey, ChatKind>,
     /// Linear receipt ids → the log seq of the first receipt (first receipt wins). Cold.
     pub linear_receipts: ColdTable<String, u64>,
     /// Receipt number → (number, receipt id), the window of the newest receipts, to forget the
@@ -224,8 +225,8 @@ pub struct State {
     /// The do-not-contact lists in the log (absent: never configured).
     pub do_not_contact: Table<(), crate::do_not_contact::DoNotContact>,
     /// A DM's top-level surface → its other member (the person who writes in it), for the
-    /// do-not-contact check.
-    pub dm_members: Table<SurfaceKey, String>,
+    /// do-not-contact check. Cold: one entry per DM ever written in.
+    pub dm_members: ColdTable<SurfaceKey, String>,
     /// Where entries of the cold tables that left memory are read back from.
     pub cold: Cold,
 }
@@ -577,7 +578,8 @@ state_tables! {
     // of surfaces before they were cold tables (fold version 20).
     // 9 held the settle order before `settled` kept it in its key.
     12 => chat_identities,
-    13 => chat_kinds paged,
+    // 13 and 32 held the chat kinds and the DM members in pages of surfaces before they were
+    // cold tables (fold version 21).
     19 => memory_config,
     20 => memory_gates,
     21 => memory_open,
@@ -586,7 +588,6 @@ state_tables! {
     29 => posted_send_order,
     30 => notices_owed,
     31 => do_not_contact,
-    32 => dm_members paged,
     35 => linear_receipt_count,
     36 => linear_session_count,
     37 => linear_response_count,
@@ -610,6 +611,8 @@ state_tables! {
     LINEAR_RESPONSES_TAG => linear_responses,
     LINEAR_ACTIVITIES_TAG => linear_activities,
     LINEAR_RESPONSE_ORDER_TAG => linear_response_order,
+    CHAT_KINDS_TAG => chat_kinds,
+    DM_MEMBERS_TAG => dm_members,
 }
 
 /// Queue headers (agent → [`crate::wake::QueueHeader`]) and queued items ((agent, slot) → item).
@@ -667,6 +670,9 @@ use crate::intern::{SURFACE_IDS_TAG, SURFACE_KEYS_TAG};
 use crate::journal::{JOURNALS_TAG, JOURNAL_ROWS_TAG};
 /// Checkpoint tag of `State::cursors`.
 pub(crate) const CURSORS_TAG: u8 = 43;
+/// Checkpoint tags of `State::chat_kinds` and `State::dm_members`.
+pub(crate) const CHAT_KINDS_TAG: u8 = 44;
+pub(crate) const DM_MEMBERS_TAG: u8 = 45;
 
 /// What [`State::canonical_encode`] gathers before handing bytes on.
 pub const CANONICAL_CHUNK_BYTES: usize = 64 * 1024;
@@ -829,9 +835,9 @@ impl State {
     pub fn is_direct(&self, surface: &SurfaceId) -> bool {
         match surface {
             SurfaceId::Slack { .. } => surface.is_slack_dm(),
-            SurfaceId::Chat { .. } => self
-                .surface_key(&surface.top_level())
-                .is_some_and(|chat| self.chat_kinds.get(&chat) == Some(&ChatKind::P2p)),
+            SurfaceId::Chat { .. } => self.surface_key(&surface.top_level()).is_some_and(|chat| {
+                self.chat_kinds.get_or_read(CHAT_KINDS_TAG, &chat, &self.cold).as_deref() == Some(&ChatKind::P2p)
+            }),
             SurfaceId::Linear { .. } | SurfaceId::Memory { .. } => false,
         }
     }
@@ -845,15 +851,7 @@ impl State {
         let surface = |key: SurfaceKey| self.surface_of(key).map(|surface| surface.to_string());
         let agent = |key: AgentKey| self.agent_keys.get(key).cloned();
         let named = match table {
-            "chat_kinds" | "dm_members" => {
-                let keys = <SurfaceKey as crate::page::PageKey>::page_keys(postcard::from_bytes(rest).ok()?);
-                let (first, last) = (surface(*keys.start()), surface(*keys.end()));
-                match (first, last) {
-                    (Some(first), Some(last)) => format!("page of surfaces {first} to {last}"),
-                    (Some(first), None) => format!("page of surfaces from {first}"),
-                    _ => return None,
-                }
-            }
+            "chat_kinds" | "dm_members" => surface(postcard::from_bytes(rest).ok()?)?,
             "identities" => {
                 let (on, ts): (SurfaceKey, String) = postcard::from_bytes(rest).ok()?;
                 format!("({}, {ts})", surface(on)?)
@@ -888,13 +886,11 @@ impl State {
             + self.slack_identities.len()
             + self.verdicts.len()
             + self.chat_identities.len()
-            + self.chat_kinds.len()
             + self.linear_unknown_responses.len()
             + self.memory_gates.len()
             + self.memory_open.len()
             + self.posted_sends.len() * 2
             + self.notices_owed.len()
-            + self.dm_members.len()
             + self.do_not_contact.get(&()).map_or(0, |c| c.lists.values().map(|users| users.len() + 1).sum())
             + self.agent_keys.len();
         let resident = self.cold_resident_len();
@@ -1016,6 +1012,8 @@ mod kept_verdict_tests {
             LINEAR_RESPONSES_TAG,
             LINEAR_ACTIVITIES_TAG,
             LINEAR_RESPONSE_ORDER_TAG,
+            CHAT_KINDS_TAG,
+            DM_MEMBERS_TAG,
         ] {
             tail.extend([tag, 0]);
         }

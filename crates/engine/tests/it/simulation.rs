@@ -1357,7 +1357,6 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
         queues,
         verdicts,
         chat_identities,
-        chat_kinds,
         linear_receipt_count,
         linear_response_count,
         linear_unknown_responses,
@@ -1379,7 +1378,7 @@ fn differing_tables(live: &anima_projections::State, rebuilt: &anima_projections
             }
         )*};
     }
-    cold_tables!(39 => surface_keys, 40 => surface_ids, 42 => journals, 43 => cursors, 4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order, 16 => linear_responses, 17 => linear_activities, 18 => linear_response_order);
+    cold_tables!(39 => surface_keys, 40 => surface_ids, 42 => journals, 43 => cursors, 4 => identities, 5 => identity_order, 26 => journal_rows, 33 => settled_ids, 34 => settled_order, 11 => subscriptions, 14 => linear_receipts, 15 => linear_receipt_order, 24 => linear_sessions, 25 => linear_session_order, 16 => linear_responses, 17 => linear_activities, 18 => linear_response_order, 44 => chat_kinds, 45 => dm_members);
     if live.agent_keys != rebuilt.agent_keys {
         out.push("interned keys".to_owned());
     }

@@ -1184,3 +1184,65 @@ fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory
     }
     assert!(kept.log.state.canonical_bytes() == evicting.log.state.canonical_bytes());
 }
+
+/// A message from Uma in anna's chat `chat` of `kind`.
+fn chat_to_anna(kind: anima_projections::proto::ChatKind, chat: &str, message_id: &str) -> Envelope {
+    Envelope {
+        event_id: format!("chat:t1:{chat}:{message_id}:anna"),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".to_owned(),
+        payload: Some(Payload::ChatMessage(anima_projections::proto::ChatMessageObserved {
+            receiving_agent_id: "anna".to_owned(),
+            tenant_id: "t1".to_owned(),
+            chat_id: chat.to_owned(),
+            chat_kind: kind as i32,
+            message_id: message_id.to_owned(),
+            sender_id: "ou_uma".to_owned(),
+            sender_name: "Uma".to_owned(),
+            text: "are you there?".to_owned(),
+            ..Default::default()
+        })),
+    }
+}
+
+/// The chat kinds and the DM members are cold: read back from the store, a p2p chat is still
+/// direct (its messages wake as `dm`) and a DM's listed member still refuses a send, in folds
+/// that let go of everything (started empty, and restored) as in one that kept everything.
+#[test]
+fn chat_kinds_and_dm_members_decide_alike_with_nothing_cold_in_memory() {
+    use anima_projections::do_not_contact::NotContactedReason;
+    use anima_projections::proto::ChatKind;
+    use anima_projections::surface::SurfaceId;
+    let mut kept = Scenario::new();
+    let mut evicting = [Scenario::evicting(false), Scenario::evicting(true)];
+    fold_all(&mut kept, &mut evicting, do_not_contact(&[("T1", &["U9"])]), true);
+    fold_all(&mut kept, &mut evicting, dm_from_human("anna", "D9", &ts(1), "hi").by_user("U9", "Nina"), true);
+    fold_all(&mut kept, &mut evicting, chat_to_anna(ChatKind::P2p, "p1", "om_1"), true);
+    fold_all(&mut kept, &mut evicting, chat_to_anna(ChatKind::Group, "g1", "om_2"), true);
+    for scenario in &evicting {
+        let state = &scenario.log.state;
+        assert_eq!(state.cold_resident_len(), 0, "nothing cold stayed in memory");
+        assert_eq!((state.chat_kinds.resident_len(), state.dm_members.resident_len()), (0, 0));
+        assert!(state.is_direct(&SurfaceId::chat_message("t1", "p1", "om_1", "")), "p1 is p2p, read from the store");
+        assert!(!state.is_direct(&SurfaceId::chat_message("t1", "g1", "om_2", "")), "g1 is a group");
+    }
+    let refused = fold_all(&mut kept, &mut evicting, send("anna", "D9"), true);
+    let again = fold_all(&mut kept, &mut evicting, chat_to_anna(ChatKind::P2p, "p1", "om_3"), true);
+    for scenario in &evicting {
+        match scenario.log.state.verdict(refused) {
+            Some(Verdict::Send(SendVerdict::NotContacted(refusal))) => {
+                assert_eq!(refusal.reason, NotContactedReason::Listed, "{refusal:?}");
+                assert_eq!(refusal.dm_member.as_deref(), Some("U9"), "the DM's member, read from the store");
+            }
+            other => panic!("the send into U9's DM is not refused: {other:?}"),
+        }
+        match scenario.log.state.verdict(again) {
+            Some(Verdict::Journaled(journaled)) => {
+                assert_eq!(journaled.wake.map(|reason| reason.as_str()), Some("dm"), "{journaled:?}")
+            }
+            other => panic!("not journaled: {other:?}"),
+        }
+    }
+    assert_same_as_kept(&kept, &evicting);
+}
