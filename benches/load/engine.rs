@@ -205,6 +205,8 @@ pub struct FoldProbe {
     /// The fold state's own estimate of its memory and its budget, bytes.
     pub state_estimate_bytes: u64,
     pub state_budget_bytes: u64,
+    /// The engine's data dir on disk (sled's files), bytes.
+    pub data_dir_bytes: u64,
 }
 
 /// One plain HTTP/1.1 `GET /metrics`, parsed for the fold's gauges.
@@ -235,6 +237,7 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
             "anima_log_last_seq" => probe.last_seq = value,
             "anima_state_estimate_bytes" => probe.state_estimate_bytes = value,
             "anima_state_budget_bytes" => probe.state_budget_bytes = value,
+            "anima_data_dir_bytes" => probe.data_dir_bytes = value,
             _ => {}
         }
     }

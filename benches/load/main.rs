@@ -464,6 +464,8 @@ struct Report {
     cpu_first: Option<(f64, f64)>,
     /// The fold state's own estimate of its memory at the newest sample that had one, MiB.
     state_mib: Option<f64>,
+    /// The engine's data dir on disk, MiB, as of the newest scrape.
+    data_dir_mib: Option<f64>,
 }
 
 impl Report {
@@ -489,6 +491,7 @@ impl Report {
         }
         if let Some(fold) = new_samples.iter().rev().find_map(|s| s.fold) {
             self.state_mib = Some(fold.state_estimate_bytes as f64 / (1024.0 * 1024.0));
+            self.data_dir_mib = Some(fold.data_dir_bytes as f64 / (1024.0 * 1024.0));
         }
         self.totals.merge(&window);
         self.since_line.merge(&window);
@@ -534,8 +537,9 @@ impl Report {
         let lag_max = lags.iter().copied().max().unwrap_or(0);
         let rss = self.chart.last().map_or(0.0, |p| p.rss_mib);
         let state = self.state_mib.map_or_else(String::new, |mib| format!(" (fold state est. {mib:.0})"));
+        let data = self.data_dir_mib.map_or_else(String::new, |mib| format!(" | data dir {mib:.0} MiB"));
         line.push_str(&format!(
-            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB{state} | cpu {cpu} | held {}",
+            " fold lag p99 {lag_p99} max {lag_max} ev | rss {rss:.0} MiB{state}{data} | cpu {cpu} | held {}",
             fleet.sends_held.load(std::sync::atomic::Ordering::Relaxed)
         ));
         line
@@ -654,6 +658,17 @@ impl Report {
                     "fold state (its own estimate, what the budget holds down): last {:.0} MiB of its {:.0} MiB budget\n",
                     fold.state_estimate_bytes as f64 / (1024.0 * 1024.0),
                     fold.state_budget_bytes as f64 / (1024.0 * 1024.0)
+                ));
+            }
+            let on_disk: Vec<(f64, u64)> =
+                samples.iter().filter_map(|s| Some((s.at_seconds, s.fold?.data_dir_bytes))).collect();
+            if let (Some(&(t0, first)), Some(&(t1, last))) = (on_disk.first(), on_disk.last()) {
+                const MIB: f64 = 1024.0 * 1024.0;
+                out.push_str(&format!(
+                    "data dir (sled's files, anima_data_dir_bytes): first {:.0} MiB, last {:.0} MiB, {:.1} MiB/s                      (`anima-wake compact` gives it back offline)\n",
+                    first as f64 / MIB,
+                    last as f64 / MIB,
+                    (last as f64 - first as f64) / MIB / (t1 - t0).max(0.001)
                 ));
             }
             let nats: Vec<(f64, u64, f64)> =

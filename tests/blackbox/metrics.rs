@@ -145,4 +145,10 @@ async fn metrics_count_sends_wakes_refusals_appends_and_the_fold_lag() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     assert!(estimate < budget, "a few agents and surfaces estimated at {estimate} bytes");
+
+    // The data dir's files on disk (sled's file holds the embedded log and the checkpoints).
+    let on_disk = value(&samples(&server.scrape_metrics().await), "anima_data_dir_bytes");
+    let data_dir = server.data_dir();
+    let db_file = std::fs::metadata(data_dir.join("db")).expect("the data dir's sled file").len() as f64;
+    assert!(on_disk >= db_file && db_file > 0.0, "{on_disk} bytes reported, the db file is {db_file}");
 }

@@ -319,6 +319,13 @@ impl CheckpointStore {
         .await?
     }
 
+    /// The size of the data dir's sled files on disk (the database holding this checkpoint, and
+    /// the embedded log when it is the backend), for the `anima_data_dir_bytes` gauge: sled's
+    /// file grows far past what it holds under load (see `crate::compact`).
+    pub fn data_dir_bytes(&self) -> Result<u64, CheckpointError> {
+        Ok(self.db.size_on_disk()?)
+    }
+
     /// The applied seq of the stored checkpoint (0 when none), for tools and tests.
     pub fn checkpointed_seq(&self) -> Result<u64, CheckpointError> {
         match self.tree.get([STATE_PREFIX, 0])? {

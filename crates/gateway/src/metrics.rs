@@ -10,6 +10,9 @@
 //!   the memory it takes (as of the runner's last look: at start and after each landed
 //!   checkpoint) and the share of `memory_budget_mib` it is held to. Set beside the process's
 //!   RSS, they tell what of it the fold holds.
+//! * `anima_data_dir_bytes` — the data dir's sled files on disk, read at scrape time: sled's file
+//!   grows far past what it holds under heavy traffic, and `anima-wake compact` gives the disk
+//!   back offline (README, "What a data dir holds").
 //! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
 //!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
 //!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
@@ -33,6 +36,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use anima_engine::checkpoint::CheckpointStore;
 use anima_engine::command::ClaimOutcome;
 use anima_engine::metrics::{AppendCall, AppendObserver};
 use anima_engine::Engine;
@@ -118,6 +122,7 @@ pub struct Metrics {
     fold_lag_events: Gauge,
     state_estimate_bytes: Gauge,
     state_budget_bytes: Gauge,
+    data_dir_bytes: Gauge,
     refused: Family<RefusedLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     handling_seconds: HistogramFamily<MethodLabels>,
@@ -181,6 +186,12 @@ impl Metrics {
             "The memory the fold's state is held to (its share of memory_budget_mib)",
             state_budget_bytes.clone(),
         );
+        let data_dir_bytes = Gauge::default();
+        registry.register(
+            "anima_data_dir_bytes",
+            "The data dir's sled files on disk (the checkpoints, and the embedded log when it is the backend), read at scrape time",
+            data_dir_bytes.clone(),
+        );
         let refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "anima_grpc_refused",
@@ -227,6 +238,7 @@ impl Metrics {
             fold_lag_events,
             state_estimate_bytes,
             state_budget_bytes,
+            data_dir_bytes,
             refused,
             handled,
             handling_seconds,
@@ -295,8 +307,15 @@ impl Metrics {
         self.sends.get_or_create(&VerdictLabels { verdict }).inc();
     }
 
-    /// Reads the fold's position and the log's, then writes the whole registry.
-    pub async fn render(&self, engine: &Engine) -> String {
+    /// Reads the fold's position, the log's and the data dir's size, then writes the whole
+    /// registry.
+    pub async fn render(&self, engine: &Engine, data_dir: &CheckpointStore) -> String {
+        match data_dir.data_dir_bytes() {
+            Ok(bytes) => {
+                self.data_dir_bytes.set(gauge_value(bytes));
+            }
+            Err(error) => tracing::warn!(%error, "metrics: reading the data dir's size"),
+        }
         let (estimate, budget) = engine.projection().state_memory_bytes();
         self.state_estimate_bytes.set(gauge_value(estimate));
         self.state_budget_bytes.set(gauge_value(budget));
@@ -401,14 +420,15 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     engine: Engine,
+    data_dir: CheckpointStore,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let app = axum::Router::new().route(
         "/metrics",
         axum::routing::get(move || {
             let metrics = metrics.clone();
-            let engine = engine.clone();
-            async move { ([(http::header::CONTENT_TYPE, CONTENT_TYPE)], metrics.render(&engine).await) }
+            let (engine, data_dir) = (engine.clone(), data_dir.clone());
+            async move { ([(http::header::CONTENT_TYPE, CONTENT_TYPE)], metrics.render(&engine, &data_dir).await) }
         }),
     );
     axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await.context("metrics listener")

@@ -391,7 +391,13 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
     let (metrics_addr, serve_metrics) = match metrics_listener {
         Some(listener) => {
             let addr = listener.local_addr()?;
-            let task = tokio::spawn(crate::metrics::serve(listener, metrics.clone(), engine.clone(), shutdown.clone()));
+            let task = tokio::spawn(crate::metrics::serve(
+                listener,
+                metrics.clone(),
+                engine.clone(),
+                checkpoints.clone(),
+                shutdown.clone(),
+            ));
             tracing::info!(%addr, "serving metrics");
             (Some(addr), Some(task))
         }
