@@ -660,12 +660,17 @@ impl Report {
                     fold.state_budget_bytes as f64 / (1024.0 * 1024.0)
                 ));
             }
-            let on_disk: Vec<(f64, u64)> =
-                samples.iter().filter_map(|s| Some((s.at_seconds, s.fold?.data_dir_bytes))).collect();
+            // From the first scrape that saw the data dir (0: the engine had not opened it yet).
+            let on_disk: Vec<(f64, u64)> = samples
+                .iter()
+                .filter_map(|s| Some((s.at_seconds, s.fold?.data_dir_bytes)))
+                .filter(|&(_, bytes)| bytes > 0)
+                .collect();
             if let (Some(&(t0, first)), Some(&(t1, last))) = (on_disk.first(), on_disk.last()) {
                 const MIB: f64 = 1024.0 * 1024.0;
                 out.push_str(&format!(
-                    "data dir (sled's files, anima_data_dir_bytes): first {:.0} MiB, last {:.0} MiB, {:.1} MiB/s                      (`anima-wake compact` gives it back offline)\n",
+                    "data dir (sled's files, anima_data_dir_bytes): first {:.0} MiB, last {:.0} MiB, {:.1} MiB/s \
+                     (`anima-wake compact` gives it back offline)\n",
                     first as f64 / MIB,
                     last as f64 / MIB,
                     (last as f64 - first as f64) / MIB / (t1 - t0).max(0.001)
