@@ -1019,7 +1019,7 @@ pub async fn tap(
     Ok(events.boxed())
 }
 
-pub use crate::checkpoint::{jetstream_checkpoint_tree, EMBEDDED_CHECKPOINT_TREE};
+use crate::checkpoint::{jetstream_checkpoint_tree, EMBEDDED_CHECKPOINT_TREE};
 
 /// A log opened directly, without a server, and the data dir holding its checkpoint (if any).
 pub struct DirectSource {

@@ -142,9 +142,7 @@ impl Auth {
             let digest: [u8; 32] = match (&config.token, &config.token_sha256) {
                 (Some(token), _) => Sha256::digest(token.as_bytes()).into(),
                 (None, Some(hex_digest)) => {
-                    let bytes = (0..32)
-                        .map(|i| u8::from_str_radix(&hex_digest[2 * i..2 * i + 2], 16))
-                        .collect::<Result<Vec<u8>, _>>()?;
+                    let bytes = hex::decode(hex_digest)?;
                     bytes.try_into().map_err(|_| anyhow::anyhow!("tokens[{index}].token_sha256: bad length"))?
                 }
                 (None, None) => anyhow::bail!("tokens[{index}]: no token"),

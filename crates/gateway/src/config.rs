@@ -468,7 +468,7 @@ impl Config {
 /// Lowercase hex SHA-256 of a token, to compare secrets with `token_sha256` entries.
 fn hex_sha256(secret: &str) -> String {
     use sha2::{Digest, Sha256};
-    Sha256::digest(secret.as_bytes()).iter().map(|byte| format!("{byte:02x}")).collect()
+    hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
 #[cfg(test)]

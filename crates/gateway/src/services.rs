@@ -614,7 +614,7 @@ impl api::subscriptions_server::Subscriptions for Services {
                 }
             })
             .collect();
-        let next_page_token = next.map(|next| encode_page_token(&next)).unwrap_or_default();
+        let next_page_token = next.map(hex::encode).unwrap_or_default();
         Ok(Response::new(api::SubscriptionsListResponse { subscriptions, as_of_seq, next_page_token }))
     }
 }
@@ -625,18 +625,9 @@ const SUBSCRIPTIONS_PAGE_MAX: usize = 1_000;
 /// A page token is the checkpoint key of the page's last entry, a few bytes, in hex.
 const PAGE_TOKEN_BYTES_MAX: usize = 16;
 
-fn encode_page_token(key: &[u8]) -> String {
-    key.iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
+/// The checkpoint key a page token names; `None` when it is not hex or longer than a key.
 fn decode_page_token(token: &str) -> Option<Vec<u8>> {
-    if !token.len().is_multiple_of(2)
-        || token.len() > 2 * PAGE_TOKEN_BYTES_MAX
-        || !token.bytes().all(|b| b.is_ascii_hexdigit())
-    {
-        return None;
-    }
-    (0..token.len()).step_by(2).map(|i| u8::from_str_radix(token.get(i..i + 2)?, 16).ok()).collect()
+    (token.len() <= 2 * PAGE_TOKEN_BYTES_MAX).then(|| hex::decode(token).ok()).flatten()
 }
 
 /// The fields `MuteRequest` and `UnmuteRequest` share.

@@ -63,28 +63,26 @@ impl Cold {
         self.0.is_some()
     }
 
-    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+    /// `read` of the store, if there is one. A store that cannot be read leaves the fold unable
+    /// to decide: it panics with the cause (see the module's documentation).
+    fn read<T>(&self, read: impl FnOnce(&dyn ColdStore) -> Result<T, String>) -> Option<T> {
         let store = self.0.as_ref()?;
-        match store.get(key) {
-            Ok(value) => value,
+        match read(store.as_ref()) {
+            Ok(value) => Some(value),
             Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
         }
+    }
+
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.read(|store| store.get(key)).flatten()
     }
 
     pub(crate) fn scan(&self, prefix: &[u8]) -> Entries {
-        let Some(store) = self.0.as_ref() else { return Vec::new() };
-        match store.scan(prefix) {
-            Ok(entries) => entries,
-            Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
-        }
+        self.read(|store| store.scan(prefix)).unwrap_or_default()
     }
 
     fn scan_after(&self, prefix: &[u8], after: Option<&[u8]>, limit: usize) -> Entries {
-        let Some(store) = self.0.as_ref() else { return Vec::new() };
-        match store.scan_after(prefix, after, limit) {
-            Ok(entries) => entries,
-            Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
-        }
+        self.read(|store| store.scan_after(prefix, after, limit)).unwrap_or_default()
     }
 }
 

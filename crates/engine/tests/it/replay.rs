@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anima_engine::checkpoint::STATE_PREFIX;
+use anima_engine::checkpoint::{EMBEDDED_CHECKPOINT_TREE, STATE_PREFIX};
 use anima_engine::data_dir;
 use anima_engine::instance::{Backend, Instance, InstanceConfig};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
@@ -15,7 +15,6 @@ use anima_engine::log::jetstream::JetStreamConfig;
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::replay::{
     self, DirectSource, EventFilter, LogPoint, LogRange, ReadQuery, ReplayConfig, ReplayError, Replayer,
-    EMBEDDED_CHECKPOINT_TREE,
 };
 use anima_engine::subject::{SubjectPrefix, Subjects};
 use anima_engine::testing::NatsServer;
