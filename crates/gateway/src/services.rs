@@ -575,24 +575,11 @@ impl api::subscriptions_server::Subscriptions for Services {
             0 => SUBSCRIPTIONS_PAGE_DEFAULT,
             n => (n as usize).min(SUBSCRIPTIONS_PAGE_MAX),
         };
-        let not_a_token =
-            || Status::invalid_argument("page_token: not a next_page_token of this agent's subscriptions");
         let after = match page_token.as_str() {
             "" => None,
-            token => Some(decode_page_token(token).ok_or_else(not_a_token)?),
+            token => Some(decode_page_token(token).ok_or_else(not_a_page_token)?),
         };
-        // The state lock is held for reading the page only, not for building the answer.
-        let (page, next, as_of_seq) = {
-            let state = self.engine.projection().state();
-            if !state.agents.contains_key(&agent) {
-                return Err(Status::invalid_argument(format!(
-                    "agent_id: unknown agent {}",
-                    anima_engine::validate::echo(&agent)
-                )));
-            }
-            let (page, next) = state.subscriptions_page(&agent, after.as_deref(), limit).map_err(|_| not_a_token())?;
-            (page, next, state.meta.applied_seq)
-        };
+        let ((page, next), as_of_seq) = self.subscriptions_page(&agent, after.as_deref(), limit).await?;
         let subscriptions = page
             .into_iter()
             .filter(|(_, s)| s.member || s.following || s.muted)
@@ -617,6 +604,65 @@ impl api::subscriptions_server::Subscriptions for Services {
         let next_page_token = next.map(hex::encode).unwrap_or_default();
         Ok(Response::new(api::SubscriptionsListResponse { subscriptions, as_of_seq, next_page_token }))
     }
+}
+
+impl Services {
+    /// A page of `agent`'s subscriptions and the applied seq it is as of. The state's lock is
+    /// held to look at memory and again to finish, not while the store is read: a page of a
+    /// large history reads a thousand entries and their surface names from the store, and
+    /// every request waiting for its verdict waits while the lock is held (under `anima-load`,
+    /// a walk of every page of one agent every 10 s gave bursts of Sends slower than 100 ms).
+    /// A checkpoint taken meanwhile may have changed what was read: then again, and after
+    /// [`PAGE_READS_WITHOUT_LOCK`] tries, with the lock held throughout.
+    async fn subscriptions_page(
+        &self,
+        agent: &str,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<(anima_projections::subscription::SubscriptionsPage, u64), Status> {
+        let projection = self.engine.projection();
+        for _ in 0..PAGE_READS_WITHOUT_LOCK {
+            let (mut read, as_of_seq) = {
+                let state = projection.state();
+                known_agent(&state, agent)?;
+                (
+                    state.subscriptions_page_begin(agent, after, limit).map_err(|_| not_a_page_token())?,
+                    state.meta.applied_seq,
+                )
+            };
+            let read = tokio::task::spawn_blocking(move || {
+                read.read_store();
+                read
+            })
+            .await
+            .map_err(|e| Status::internal(format!("reading a page of subscriptions: {e}")))?;
+            if let Some(page) = projection.state().subscriptions_page_end(read) {
+                return Ok((page, as_of_seq));
+            }
+        }
+        let state = projection.state();
+        known_agent(&state, agent)?;
+        let page = state.subscriptions_page(agent, after, limit).map_err(|_| not_a_page_token())?;
+        Ok((page, state.meta.applied_seq))
+    }
+}
+
+/// Tries at reading a page of subscriptions without the state's lock before one with it. A
+/// checkpoint is taken every 2,000 events or 5 s by default; under `anima-load` (embedded log,
+/// 420 s) a page of 1,000 read the store in 23 ms on average, and 24 of 381 tries met a
+/// checkpoint.
+const PAGE_READS_WITHOUT_LOCK: usize = 2;
+
+fn not_a_page_token() -> Status {
+    Status::invalid_argument("page_token: not a next_page_token of this agent's subscriptions")
+}
+
+/// `INVALID_ARGUMENT` unless the fold knows `agent`.
+fn known_agent(state: &anima_projections::State, agent: &str) -> Result<(), Status> {
+    if state.agents.contains_key(agent) {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!("agent_id: unknown agent {}", anima_engine::validate::echo(agent))))
 }
 
 /// `Subscriptions.List` page sizes: when the request names none, and the most it may ask for.

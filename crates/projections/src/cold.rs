@@ -52,28 +52,48 @@ pub fn page_of(entries: Entries, after: Option<&[u8]>, limit: usize) -> Entries 
 
 /// The state's handle on its cold store (none: everything is in memory).
 #[derive(Clone, Default)]
-pub struct Cold(Option<Arc<dyn ColdStore>>);
+pub struct Cold {
+    store: Option<Arc<dyn ColdStore>>,
+    /// Checkpoints taken since the store was attached ([`Cold::taken`]).
+    taken: u64,
+}
 
 impl Cold {
     pub fn new(store: Arc<dyn ColdStore>) -> Self {
-        Cold(Some(store))
+        Cold { store: Some(store), taken: 0 }
     }
 
     pub fn is_attached(&self) -> bool {
-        self.0.is_some()
+        self.store.is_some()
+    }
+
+    /// Notes that the state's changes were taken for a checkpoint ([`crate::State::take_changes`]).
+    pub(crate) fn note_taken(&mut self) {
+        self.taken += 1;
+    }
+
+    /// Checkpoints taken so far. What the store holds for a key that is not in memory changes
+    /// only when a checkpoint taken after the key left memory is written: the fold brings a
+    /// key back into memory before it changes it, a checkpoint writes only what memory held
+    /// when it was taken, and a key leaves memory only once the store holds its latest value.
+    /// So a reader that noted which keys memory held and this count under the state's lock,
+    /// and read the other keys from the store after letting the lock go, read them as they
+    /// were when it held the lock if the count is still the same when it takes the lock again.
+    pub fn taken(&self) -> u64 {
+        self.taken
     }
 
     /// `read` of the store, if there is one. A store that cannot be read leaves the fold unable
     /// to decide: it panics with the cause (see the module's documentation).
     fn read<T>(&self, read: impl FnOnce(&dyn ColdStore) -> Result<T, String>) -> Option<T> {
-        let store = self.0.as_ref()?;
+        let store = self.store.as_ref()?;
         match read(store.as_ref()) {
             Ok(value) => Some(value),
             Err(e) => panic!("the checkpoint store cannot be read ({e}); the fold cannot decide without it"),
         }
     }
 
-    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+    pub(crate) fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
         self.read(|store| store.get(key)).flatten()
     }
 
@@ -98,6 +118,40 @@ impl Eq for Cold {}
 impl std::fmt::Debug for Cold {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(if self.is_attached() { "Cold(store)" } else { "Cold(none)" })
+    }
+}
+
+/// What memory held of a page of one owner's entries ([`ColdTable::memory_page`]).
+pub struct MemoryPage<K, V> {
+    prefix: Vec<u8>,
+    after: Option<Vec<u8>>,
+    limit: usize,
+    /// The owner's entries in memory after `after`, by checkpoint key: present or known absent.
+    entries: BTreeMap<Vec<u8>, (K, Option<V>)>,
+    /// How many of `entries` are known absent.
+    absent: usize,
+    /// Whether the table had every entry in memory (the store holds nothing more).
+    complete: bool,
+    decode: fn(&[u8], &[u8]) -> (K, V),
+}
+
+impl<K, V> MemoryPage<K, V> {
+    /// The page: the entries in memory with those of the store they leave out. The store is
+    /// read for `limit` entries plus one per known-absent key in memory, so the page is exact:
+    /// a key in memory hides the stored entry (a removal too), and the stored entries beyond
+    /// the ones read all come after the `limit` present ones the page holds.
+    pub fn read_store(mut self, cold: &Cold) -> Vec<(Vec<u8>, K, V)> {
+        if !self.complete {
+            let wanted = self.limit.saturating_add(self.absent);
+            for (stored, bytes) in cold.scan_after(&self.prefix, self.after.as_deref(), wanted) {
+                if let std::collections::btree_map::Entry::Vacant(slot) = self.entries.entry(stored) {
+                    let (key, value) = (self.decode)(slot.key(), &bytes);
+                    slot.insert((key, Some(value)));
+                }
+            }
+        }
+        let limit = self.limit;
+        self.entries.into_iter().filter_map(|(stored, (key, value))| Some((stored, key, value?))).take(limit).collect()
     }
 }
 
@@ -411,13 +465,7 @@ where
     /// `prefix` and comes after `after`, in checkpoint-key byte order, each with that key (a
     /// page token). `owned(key)` says whether a key in memory is the owner's (its checkpoint key
     /// starts with `prefix`), so that only those are encoded. For a table that stores each key
-    /// as itself.
-    ///
-    /// The store is read for `limit` entries plus one per known-absent key of the owner in
-    /// memory, so the page is exact: a removal in memory hides a stored entry, and the entries
-    /// beyond the ones read are all after the `limit` present ones the page holds. What is
-    /// looked at in memory is every entry (the cost follows the table's memory, which the
-    /// budget bounds), what is read from the store is the page.
+    /// as itself. [`ColdTable::memory_page`] then [`MemoryPage::read_store`], in one go.
     pub fn page_entries(
         &self,
         tag: u8,
@@ -430,8 +478,28 @@ where
     where
         V: Clone,
     {
+        self.memory_page(tag, prefix, after, limit, owned).read_store(cold)
+    }
+
+    /// What memory holds of a page of [`ColdTable::page_entries`]: every entry of the owner in
+    /// memory after `after`, present or known absent. The cost follows the table's memory
+    /// (every entry is looked at), which the budget bounds. The store's part is read by
+    /// [`MemoryPage::read_store`], which needs no access to the table: a reader holding the
+    /// state's lock may take this and read the store after letting the lock go (see
+    /// [`Cold::taken`] for when that read is still exact).
+    pub fn memory_page(
+        &self,
+        tag: u8,
+        prefix: &[u8],
+        after: Option<&[u8]>,
+        limit: usize,
+        owned: impl Fn(&K) -> bool,
+    ) -> MemoryPage<K, V>
+    where
+        V: Clone,
+    {
         debug_assert!(S::counts_let_go(), "pages are of tables that store each key as itself");
-        let mut page: BTreeMap<Vec<u8>, (K, Option<V>)> = BTreeMap::new();
+        let mut entries: BTreeMap<Vec<u8>, (K, Option<V>)> = BTreeMap::new();
         let mut absent = 0;
         for (key, entry) in self.map.iter() {
             if !owned(key) {
@@ -442,17 +510,24 @@ where
                 continue;
             }
             absent += usize::from(entry.value.is_none());
-            page.insert(stored, (key.clone(), entry.value.clone()));
+            entries.insert(stored, (key.clone(), entry.value.clone()));
         }
-        if !self.complete {
-            for (stored, bytes) in cold.scan_after(prefix, after, limit.saturating_add(absent)) {
-                if let std::collections::btree_map::Entry::Vacant(slot) = page.entry(stored) {
-                    let (key, value) = Self::decode_stored(slot.key(), &bytes);
-                    slot.insert((key, Some(value)));
-                }
-            }
+        MemoryPage {
+            prefix: prefix.to_vec(),
+            after: after.map(<[u8]>::to_vec),
+            limit,
+            entries,
+            absent,
+            complete: self.complete,
+            decode: Self::decode_stored,
         }
-        page.into_iter().filter_map(|(stored, (key, value))| Some((stored, key, value?))).take(limit).collect()
+    }
+
+    /// The stored value of `key`, read from the store alone, whatever memory holds: for a
+    /// reader without the state's lock, of a table whose stored values never change (an
+    /// interner's key → value). `None` when the store does not hold it (yet).
+    pub fn read_store(tag: u8, key: &K, cold: &Cold) -> Option<V> {
+        Self::read_stored(tag, key, cold)
     }
 
     /// Removes `key` whether or not it is in memory (no read of the store): the next checkpoint

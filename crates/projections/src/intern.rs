@@ -14,6 +14,7 @@ use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cold::{Cold, ColdTable};
 use crate::page::PagedTable;
 use crate::surface::SurfaceId;
 use crate::table::Table;
@@ -163,6 +164,13 @@ impl<K: InternKey + Serialize, V: Ord + Clone + Hash + Serialize> PagedTable for
 pub(crate) const SURFACE_KEYS_TAG: u8 = 39;
 /// Checkpoint tag of `State::surface_ids` (key → surface).
 pub(crate) const SURFACE_IDS_TAG: u8 = 40;
+
+/// The surface of `key` as the store holds it, without the state (a surface's key is never
+/// given to another, so what the store holds is what the state has); `None` when the store does
+/// not hold it yet (interned since the last checkpoint).
+pub(crate) fn stored_surface(key: SurfaceKey, cold: &Cold) -> Option<SurfaceId> {
+    ColdTable::<SurfaceKey, SurfaceId>::read_store(SURFACE_IDS_TAG, &key, cold)
+}
 
 /// Surfaces are interned by the state itself, in two cold tables (surface → key and key →
 /// surface) and a count: every mention in a channel starts a thread the fold writes state for,

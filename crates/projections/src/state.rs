@@ -331,6 +331,7 @@ macro_rules! state_tables {
             /// Changed entries since the last call, copied out of the state and not yet encoded
             /// ([`crate::changes`]): what a checkpoint writes. The fold meta is always included.
             pub fn take_changes(&mut self) -> StateChanges {
+                self.cold.note_taken();
                 let mut changes = StateChanges::default();
                 changes.push(crate::changes::Single { key: vec![META_TAG], value: self.meta.clone() });
                 $(

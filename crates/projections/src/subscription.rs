@@ -6,10 +6,11 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cold::{Cold, MemoryPage};
 use crate::intern::{AgentKey, SurfaceKey};
 use crate::journal::RowMeta;
 use crate::proto;
-use crate::state::{LogPosition, State, SUBSCRIPTIONS_TAG};
+use crate::state::{AgentSurface, LogPosition, State, SUBSCRIPTIONS_TAG};
 use crate::surface::SurfaceId;
 // The note types are plain values the text writer shows: they live with it.
 pub use crate::text::{AttentionNote, NoteKind};
@@ -227,34 +228,63 @@ impl State {
     /// Returns the page and the token of its last entry when the page is full (there may be
     /// more), else `None`. `Err` when `after` is not a token of this agent's subscriptions.
     /// The store is read for the page only: an agent follows every thread it is mentioned in,
-    /// so its subscriptions grow with the history.
+    /// so its subscriptions grow with the history. The three steps of
+    /// [`State::subscriptions_page_begin`] in one go, for a reader that holds the state
+    /// throughout.
     pub fn subscriptions_page(
         &self,
         agent: &str,
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<SubscriptionsPage, NotAPageToken> {
-        let Some(agent_key) = self.agent_keys.key(agent) else { return Ok((Vec::new(), None)) };
-        let prefix = crate::state::tagged(SUBSCRIPTIONS_TAG, &agent_key);
-        if after.is_some_and(|after| !after.starts_with(&prefix) || after.len() > prefix.len() + 5) {
-            return Err(NotAPageToken);
+        let mut read = self.subscriptions_page_begin(agent, after, limit)?;
+        read.read_store();
+        Ok(self.subscriptions_page_end(read).expect("no checkpoint is taken while the state is held"))
+    }
+
+    /// The first step of a page of [`State::subscriptions_page`], under the state's lock: what
+    /// memory holds of it. Then [`SubscriptionsPageRead::read_store`], without the lock (a
+    /// page of a large history reads a thousand entries and their surface names from the
+    /// store, milliseconds the fold would otherwise wait), then
+    /// [`State::subscriptions_page_end`] under the lock again.
+    pub fn subscriptions_page_begin(
+        &self,
+        agent: &str,
+        after: Option<&[u8]>,
+        limit: usize,
+    ) -> Result<SubscriptionsPageRead, NotAPageToken> {
+        let memory = match self.agent_keys.key(agent) {
+            None => None,
+            Some(agent_key) => {
+                let prefix = crate::state::tagged(SUBSCRIPTIONS_TAG, &agent_key);
+                if after.is_some_and(|after| !after.starts_with(&prefix) || after.len() > prefix.len() + 5) {
+                    return Err(NotAPageToken);
+                }
+                Some(self.subscriptions.memory_page(SUBSCRIPTIONS_TAG, &prefix, after, limit, |(a, _)| *a == agent_key))
+            }
+        };
+        Ok(SubscriptionsPageRead { memory, cold: self.cold.clone(), limit, read: Vec::new() })
+    }
+
+    /// The last step of a page of [`State::subscriptions_page`], under the state's lock: the
+    /// page as the state was at [`State::subscriptions_page_begin`], or `None` when a
+    /// checkpoint was taken since (what was read from the store may be newer: begin again).
+    pub fn subscriptions_page_end(&self, read: SubscriptionsPageRead) -> Option<SubscriptionsPage> {
+        if read.cold.taken() != self.cold.taken() {
+            return None;
         }
-        let entries = self.subscriptions.page_entries(
-            SUBSCRIPTIONS_TAG,
-            &prefix,
-            after,
-            limit,
-            |(a, _)| *a == agent_key,
-            &self.cold,
-        );
-        let next = (entries.len() == limit).then(|| entries.last().map(|(stored, _, _)| stored.clone())).flatten();
-        let page = entries
+        let next =
+            (read.read.len() == read.limit).then(|| read.read.last().map(|(stored, ..)| stored.clone())).flatten();
+        let page = read
+            .read
             .into_iter()
-            .map(|(_, (_, surface), subscription)| {
-                (self.surface_of(surface).expect("an interned surface"), subscription)
+            .map(|(_, surface, subscription, name)| {
+                // A name the store did not hold yet is one interned since the last checkpoint.
+                let name = name.or_else(|| self.surface_of(surface)).expect("an interned surface");
+                (name, subscription)
             })
             .collect();
-        Ok((page, next))
+        Some((page, next))
     }
 
     /// Routes one observed message for one receiving agent (first match wins), updating follows
@@ -396,6 +426,36 @@ impl State {
         let agent = self.agent_keys.intern(&request.agent_id);
         self.subscription_mut(agent, &surface).muted = request.mute;
         Verdict::SubscriptionChanged { surface, muted: request.mute }
+    }
+}
+
+/// A page of an agent's subscriptions between [`State::subscriptions_page_begin`] and
+/// [`State::subscriptions_page_end`].
+pub struct SubscriptionsPageRead {
+    /// What memory held (`None`: an agent the fold never wrote for, whose page is empty).
+    memory: Option<MemoryPage<AgentSurface, Subscription>>,
+    /// The store, and the checkpoints taken when the page began.
+    cold: Cold,
+    limit: usize,
+    /// The page once read: checkpoint key, surface, subscription, and the surface's name if
+    /// the store held it.
+    read: Vec<(Vec<u8>, SurfaceKey, Subscription, Option<SurfaceId>)>,
+}
+
+impl SubscriptionsPageRead {
+    /// Reads the store's part of the page and the names of its surfaces, without the state.
+    /// A surface's name never changes once interned, so a name the store holds is the one the
+    /// state has.
+    pub fn read_store(&mut self) {
+        let Some(memory) = self.memory.take() else { return };
+        self.read = memory
+            .read_store(&self.cold)
+            .into_iter()
+            .map(|(stored, (_, surface), subscription)| {
+                let name = crate::intern::stored_surface(surface, &self.cold);
+                (stored, surface, subscription, name)
+            })
+            .collect();
     }
 }
 

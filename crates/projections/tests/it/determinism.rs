@@ -848,6 +848,55 @@ fn subscriptions_that_left_memory_still_route_and_are_listed() {
     }
 }
 
+/// `Subscriptions.List` reads a page's stored entries and surface names without the state's
+/// lock: memory is looked at under the lock (`begin`), the store after it (`read_store`), and
+/// the page is finished under the lock again (`end`). The page is the state as it was when the
+/// page began, even when the fold changed an entry in memory meanwhile; and when a checkpoint
+/// was taken meanwhile (it may have written a newer value of an entry read from the store), the
+/// page is refused so that the reader begins again, never a page of two states.
+#[test]
+fn a_page_read_without_the_state_is_the_state_at_its_beginning_or_refused() {
+    let thread_zero_muted = |page: &anima_projections::subscription::SubscriptionsPage| {
+        let zero = ts(0);
+        page.0.iter().find(|(surface, _)| surface.thread_ts() == Some(zero.as_str())).expect("thread 0 listed").1.muted
+    };
+    for restored in [false, true] {
+        let mut evicting = Scenario::evicting(restored);
+        let (bot_user, _) = identities(0, false);
+        for n in 0..40 {
+            let mention = message("anna", "C1", &ts(n)).by_user("U1", "Uma").text(&format!("<@{bot_user}> look"));
+            evicting.log.fold(mention);
+            evicting.checkpoint();
+            evicting.log.state.evict_cold(usize::MAX);
+        }
+        assert_eq!(evicting.log.state.subscriptions.resident_len(), 0, "the subscriptions left memory");
+        let before = evicting.log.state.subscriptions_page("anna", None, 100).unwrap();
+        assert_eq!(before.0.len(), 41, "the channel and the 40 threads");
+        assert!(!thread_zero_muted(&before));
+
+        // Muted while the page is read, no checkpoint between: the page as it began.
+        let mut read = evicting.log.state.subscriptions_page_begin("anna", None, 100).unwrap();
+        evicting.log.fold(mute("anna", "C1", Some(&ts(0)), true));
+        read.read_store();
+        let page = evicting.log.state.subscriptions_page_end(read).expect("no checkpoint was taken");
+        assert_eq!(page, before, "restored: {restored}");
+        let muted = evicting.log.state.subscriptions_page("anna", None, 100).unwrap();
+        assert!(thread_zero_muted(&muted), "the next page shows the mute");
+
+        // With the mute only in the store, unmuted and checkpointed while the page is read:
+        // the store read the unmute, which the state at the page's beginning did not have.
+        evicting.checkpoint();
+        evicting.log.state.evict_cold(usize::MAX);
+        let mut read = evicting.log.state.subscriptions_page_begin("anna", None, 100).unwrap();
+        evicting.log.fold(mute("anna", "C1", Some(&ts(0)), false));
+        evicting.checkpoint();
+        read.read_store();
+        assert!(evicting.log.state.subscriptions_page_end(read).is_none(), "a checkpoint was taken: begin again");
+        let again = evicting.log.state.subscriptions_page("anna", None, 100).unwrap();
+        assert!(!thread_zero_muted(&again), "begun again: the unmute");
+    }
+}
+
 /// Surfaces grow with the history (every DM and every thread is one), and what the fold keeps
 /// of each — its interned key both ways, its journal header, the cursors on it — leaves memory
 /// under the budget like the other cold tables, read back from the store when a decision needs

@@ -18,6 +18,26 @@ pub const LOG_START_MS: i64 = 1_700_000_000_000;
 /// `source` of a start or finish whose item (and plan) the test log takes from state.
 pub const FROM_STATE: &str = "test:from-state";
 
+/// `agent` mutes (or unmutes) channel `channel` of [`TEAM`], or one of its threads.
+pub fn mute(agent: &str, channel: &str, target_thread: Option<&str>, muted: bool) -> Envelope {
+    Envelope {
+        event_id: format!("mute:{agent}:{channel}:{target_thread:?}:{muted}"),
+        occurred_at_ms: 0,
+        min_reader_version: 1,
+        source: "test".into(),
+        payload: Some(Payload::SubscriptionChange(proto::SubscriptionChangeRequested {
+            agent_id: agent.into(),
+            target: Some(proto::SlackTarget {
+                team_id: TEAM.into(),
+                channel_id: channel.into(),
+                thread_ts: target_thread.unwrap_or_default().into(),
+            }),
+            mute: muted,
+            chat_target: None,
+        })),
+    }
+}
+
 /// The Slack ts of the message sent `minute` minutes after 2023-11-14 22:13:20 UTC.
 pub fn ts(minute: u64) -> String {
     format!("{}.000100", 1_700_000_000 + minute * 60)

@@ -5,7 +5,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use anima_projections::proto::{self, envelope::Payload, Envelope};
+use anima_projections::proto::{envelope::Payload, Envelope};
 use anima_projections::subscription::Route;
 use anima_projections::text;
 use anima_projections::verdict::Verdict;
@@ -25,25 +25,6 @@ fn channel_post(ts_: &str, text: &str) -> Envelope {
 
 fn thread_reply(thread: &str, ts_: &str, text: &str) -> Envelope {
     message("ada", "C1", ts_).by_user("U1", "Uma").text(text).in_thread(thread)
-}
-
-fn mute(target_thread: Option<&str>, muted: bool) -> Envelope {
-    Envelope {
-        event_id: format!("mute:{target_thread:?}:{muted}"),
-        occurred_at_ms: 0,
-        min_reader_version: 1,
-        source: "test".into(),
-        payload: Some(Payload::SubscriptionChange(proto::SubscriptionChangeRequested {
-            agent_id: "ada".into(),
-            target: Some(proto::SlackTarget {
-                team_id: TEAM.into(),
-                channel_id: "C1".into(),
-                thread_ts: target_thread.unwrap_or_default().into(),
-            }),
-            mute: muted,
-            chat_target: None,
-        })),
-    }
 }
 
 fn describe(log: &TestLog, seq: u64) -> String {
@@ -172,7 +153,7 @@ fn app_mention_delivery_is_a_mention() {
 
 #[test]
 fn a_mention_in_a_muted_thread_wakes_and_unmutes_the_thread() {
-    let given = [ada(), channel_post(&ts(1), "hi <@U0ADA>"), mute(Some(&ts(1)), true)];
+    let given = [ada(), channel_post(&ts(1), "hi <@U0ADA>"), mute("ada", "C1", Some(&ts(1)), true)];
     check(
         &given,
         thread_reply(&ts(1), &ts(3), "<@U0ADA> again"),
@@ -187,7 +168,7 @@ fn a_mention_in_a_muted_thread_wakes_and_unmutes_the_thread() {
 
 #[test]
 fn a_mention_in_a_muted_channel_wakes_but_the_channel_stays_muted() {
-    let given = [ada(), channel_post(&ts(1), "hello"), mute(None, true)];
+    let given = [ada(), channel_post(&ts(1), "hello"), mute("ada", "C1", None, true)];
     check(
         &given,
         channel_post(&ts(2), "<@U0ADA> urgent"),
@@ -202,7 +183,7 @@ fn a_mention_in_a_muted_channel_wakes_but_the_channel_stays_muted() {
 
 #[test]
 fn a_muted_channel_ignores_top_level_posts() {
-    let given = [ada(), channel_post(&ts(1), "hello"), mute(None, true)];
+    let given = [ada(), channel_post(&ts(1), "hello"), mute("ada", "C1", None, true)];
     check(
         &given,
         channel_post(&ts(2), "more chatter"),
@@ -319,7 +300,7 @@ fn dms_and_mentions_never_count_toward_notes() {
 #[test]
 fn unmuting_what_is_not_muted_is_refused_naming_the_target() {
     let mut log = TestLog::with(&[ada()]);
-    let seq = log.fold(mute(Some(&ts(1)), false));
+    let seq = log.fold(mute("ada", "C1", Some(&ts(1)), false));
     expect![[r#"
         Refused(Refusal { kind: FailedPrecondition, message: "slack:T1:C1:thread:1700000060.000100 is not muted; nothing to unmute" })
     "#]].assert_eq(&describe(&log, seq));
