@@ -14,6 +14,7 @@ pub mod log;
 pub mod memory;
 pub mod metrics;
 pub mod projection;
+pub mod redo;
 pub mod replay;
 pub mod startup_pages;
 pub mod store_census;

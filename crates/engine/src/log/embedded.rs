@@ -1,15 +1,15 @@
 //! The embedded event log on sled: the same semantics as the JetStream stream in
 //! one process, for a single machine, a laptop, tests and the first run.
 //!
-//! Everything lives in ONE sled tree named `log`, because `apply_batch` is atomic within one tree
-//! only. Keys carry a one-byte prefix:
+//! Everything lives in ONE sled tree named `log`, because a group commit lands whole through a
+//! redo record in the tree it writes ([`crate::redo`]). Keys carry a one-byte prefix:
 //!
 //! | key | value | why |
 //! |---|---|---|
 //! | `g` + first seq (u64 BE) | a group of records with consecutive seqs (layout `3`) | the log, in seq order |
 //! | `r` + seq (u64 BE) | one record: timestamp, subject, msg id, payload (layouts `1`, `2`) | the log, in seq order |
 //! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
-//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor |
+//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor; the redo record of a group commit being written |
 //!
 //! Pruning: a msg-id entry leaves once its record is older than the dedupe window. Timestamps
 //! are strictly monotonic with seq (below), so the records themselves are the expiry order: the
@@ -39,8 +39,11 @@
 //! collide with another deployment's; it is honoured so both backends store the same subjects.)
 //!
 //! "Appended" means flushed. One writer thread owns every write: it drains the pending append
-//! requests (bounded), applies them as one `apply_batch`, calls `flush()` once and only then
-//! answers every request of the group (group commit). No other code path writes or flushes, so
+//! requests (bounded), writes them whole through a redo record with plain inserts (not sled's
+//! `apply_batch`, which takes sled's process-wide lock exclusively and stalls every other sled
+//! operation of the process while it waits for it: see [`crate::redo`]), calls `flush()` once
+//! and only then answers every request of the group (group commit). Opening the log completes a
+//! group commit a crash interrupted before it reads the tail. No other code path writes or flushes, so
 //! there are never concurrent `flush_async` calls (sled 0.34.7 hangs with seven or more
 //! concurrent calls, as measured here). The writer publishes the last flushed seq on a `watch` channel; readers never
 //! look past it, so nothing unflushed is ever read, and followers wake on it.
@@ -63,6 +66,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use anima_projections::hashed::FingerprintCount;
 
 use crate::clock::{Clock, SystemClock};
+use crate::redo::{self, Writes};
 use crate::subject::{SubjectEncoding, SubjectPrefix, Subjects};
 
 use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter};
@@ -85,6 +89,9 @@ const META_SUBJECT_PREFIX: &[u8] = b"subject_prefix";
 const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
 /// The first seq whose msg id the pruning has not considered yet (u64 BE).
 const META_PRUNE_FROM: &[u8] = b"prune_from";
+/// The redo record of the group commit being written ([`crate::redo`]); present only while a
+/// group is written, or after a crash in the middle of one, until the next open completes it.
+const META_GROUP_REDO: &[u8] = b"group_redo";
 /// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
 /// Layout 1 plus the subject prefix and encoding in the metadata; one entry per record.
@@ -112,7 +119,8 @@ const STORED_IDS_SCAN_CHUNK: usize = 256;
 /// memory stays bounded whatever the append rate.
 const APPEND_REQUESTS_QUEUED_MAX: usize = 1024;
 /// Payload bytes one group commit takes before it stops draining more requests. With
-/// `PAYLOAD_BYTES_MAX` records, one sled batch stays well below memory limits.
+/// `PAYLOAD_BYTES_MAX` records, one write set (and its redo record) stays well below memory
+/// limits.
 const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// Records one read step scans (matching the filter or not) before yielding, so a filter that
 /// matches little never holds a blocking thread for long.
@@ -124,8 +132,10 @@ const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
 const PRUNE_PER_COMMIT_MIN: usize = 256;
 /// A group commit at least this long is logged (debug), with how long its planning and its
 /// flush took: every append of the group, and every request behind it, waits for it. Under
-/// `anima-load` the commits over this bound were flushes (`fsync` of the log's file) of 41–81 ms
-/// after an `apply_batch` of under a millisecond.
+/// `anima-load`, when a group was one `apply_batch`, the commits over this bound were at first
+/// flushes (`fsync` of the log's file) of 41–81 ms after a batch of under a millisecond; in
+/// longer runs, batches of 80–118 ms waiting for sled's process-wide lock (see
+/// [`crate::redo`]).
 const SLOW_COMMIT: Duration = Duration::from_millis(25);
 
 /// Settings of the embedded log.
@@ -134,7 +144,7 @@ pub struct EmbeddedConfig {
     /// An append whose msg id was stored less than this long ago (log time) is a duplicate.
     /// Default 10 minutes, like the JetStream stream: Slack retries for about 5 minutes.
     pub duplicate_window: Duration,
-    /// Records one group commit takes at most (one `apply_batch`, one `flush`). Larger groups
+    /// Records one group commit takes at most (one write set, one `flush`). Larger groups
     /// amortize the flush; the bound keeps one batch's memory and latency in check.
     pub group_commit_records_max: usize,
     /// What records are stamped with (made strictly monotonic). The wall clock unless a test
@@ -169,6 +179,7 @@ pub struct EmbeddedLog {
     /// Last flushed seq, published by the writer.
     last_seq: watch::Receiver<u64>,
     writer: Option<std::thread::JoinHandle<()>>,
+    tear_next_group_after: Arc<std::sync::Mutex<Option<usize>>>,
 }
 
 impl std::fmt::Debug for EmbeddedLog {
@@ -203,6 +214,9 @@ impl EmbeddedLog {
         }
         let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
         let (stream_id, subjects, layout) = open_metadata(&tree, &config.subject_prefix)?;
+        if let Some(writes) = redo::complete(&tree, &group_redo_key()).map_err(LogError::Store)? {
+            tracing::info!(writes, "completed the group commit a crash interrupted");
+        }
         let (last_seq, last_timestamp_ns) = recover_tail(&tree, layout)?;
         let pruning = Pruning::recover(&tree, last_seq)?;
 
@@ -221,7 +235,9 @@ impl EmbeddedLog {
             clock: config.clock.clone(),
             pruning,
             failure: None,
+            tear_next_group_after: Default::default(),
         };
+        let tear_next_group_after = writer.tear_next_group_after.clone();
         let writer = std::thread::Builder::new()
             .name("anima-log-writer".into())
             .spawn(move || writer.run())
@@ -244,7 +260,15 @@ impl EmbeddedLog {
             requests: Some(requests_tx),
             last_seq: last_seq_rx,
             writer: Some(writer),
+            tear_next_group_after,
         })
+    }
+
+    /// Fault injection for tests of a crash: the next group commit writes its redo record and
+    /// `writes` of its writes, then stops as a crash would, and fails its appends (the log then
+    /// refuses appends until reopened, as after any failed write).
+    pub fn tear_next_group_after(&self, writes: usize) {
+        *self.tear_next_group_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(writes);
     }
 
     /// Hands `records` to the writer; the receiver answers once they are flushed.
@@ -624,6 +648,8 @@ struct LogWriter {
     /// Set when a write or flush failed: the tree's state is then unknown, so every later append
     /// fails closed instead of risking a gap or a reused seq. Reopen to recover.
     failure: Option<String>,
+    /// Tests of a crash: the next group commit stops after its redo record and this many writes.
+    tear_next_group_after: Arc<std::sync::Mutex<Option<usize>>>,
 }
 
 /// The pruning's position: the persisted cursor, and whether legacy `t` keys may remain.
@@ -666,7 +692,7 @@ impl Pruning {
 
 /// What one group commit decided before writing it.
 struct PlannedGroup {
-    batch: sled::Batch,
+    batch: Writes,
     outcomes: Vec<Vec<AppendOutcome>>,
     last_seq: u64,
     last_timestamp_ns: i64,
@@ -715,7 +741,7 @@ impl LogWriter {
         tracing::debug!(last_seq = self.last_seq, "embedded log writer stopped");
     }
 
-    /// One group commit: plan, one `apply_batch`, one `flush`, then answer everyone.
+    /// One group commit: plan, one write set, one `flush`, then answer everyone.
     fn commit(&mut self, group: Vec<AppendRequest>) {
         let result = match &self.failure {
             Some(failure) => Err(LogError::Store(format!(
@@ -744,9 +770,14 @@ impl LogWriter {
         let planned = self.plan_group(group)?;
         let planned_at = started.elapsed();
         let records: usize = planned.outcomes.iter().map(Vec::len).sum();
-        let applied = self.tree.apply_batch(planned.batch);
+        let tear_after = self.tear_next_group_after.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let applied = redo::write(&self.tree, &group_redo_key(), &planned.batch, tear_after);
         let applied_at = started.elapsed();
-        let written = applied.and_then(|()| self.tree.flush().map(|_| ()));
+        let written = match applied {
+            Ok(true) => self.tree.flush().map(|_| ()).map_err(|e| e.to_string()),
+            Ok(false) => Err("injected: the group commit was torn after its redo record".to_string()),
+            Err(e) => Err(e.to_string()),
+        };
         let took = started.elapsed();
         if took >= SLOW_COMMIT {
             tracing::debug!(
@@ -781,7 +812,7 @@ impl LogWriter {
     /// Decides every record of the group (new seq or duplicate) and builds the batch, including
     /// pruning of msg ids that left the dedupe window. Reads the tree; writes nothing.
     fn plan_group(&self, group: &[AppendRequest]) -> LogResult<PlannedGroup> {
-        let mut batch = sled::Batch::default();
+        let mut batch = Writes::default();
         let mut outcomes = Vec::with_capacity(group.len());
         // Msg ids stored by this group, so a repeat inside the group is a duplicate too.
         let mut stored_here: HashMap<&[u8], u64> = HashMap::new();
@@ -845,7 +876,7 @@ impl LogWriter {
     /// msg-id keys whose entry goes and the pruning's position after the batch.
     fn plan_pruning(
         &self,
-        batch: &mut sled::Batch,
+        batch: &mut Writes,
         stored_here: &HashMap<&[u8], u64>,
         window_start_ns: i64,
         limit: usize,
@@ -881,7 +912,7 @@ impl LogWriter {
             let end = expiry_key(window_start_ns, 0);
             let mut expired = 0;
             for entry in self.tree.range(&start[..]..&end[..]).take(limit) {
-                batch.remove(entry.map_err(store_error)?.0);
+                batch.remove(entry.map_err(store_error)?.0.to_vec());
                 expired += 1;
             }
             // Fewer than asked for: none is left once this batch lands, unless some have not
@@ -1046,11 +1077,11 @@ impl RecordEntries {
     }
 
     /// Adds the record stored at `seq` (seqs given in order, without gaps).
-    fn push(&mut self, batch: &mut sled::Batch, seq: u64, timestamp_ns: i64, record: &AppendRecord) {
+    fn push(&mut self, batch: &mut Writes, seq: u64, timestamp_ns: i64, record: &AppendRecord) {
         if self.layout == RecordLayout::PerRecord {
             let mut value = Vec::with_capacity(encoded_record_len(record));
             encode_record_into(&mut value, timestamp_ns, record);
-            batch.insert(&self.layout.key(seq)[..], value);
+            batch.insert(self.layout.key(seq), value);
             return;
         }
         let len = encoded_record_len(record);
@@ -1069,9 +1100,9 @@ impl RecordEntries {
     }
 
     /// Writes the open group into `batch`.
-    fn close(&mut self, batch: &mut sled::Batch) {
+    fn close(&mut self, batch: &mut Writes) {
         if self.records > 0 {
-            batch.insert(&self.layout.key(self.first_seq)[..], std::mem::take(&mut self.value));
+            batch.insert(self.layout.key(self.first_seq), std::mem::take(&mut self.value));
             self.records = 0;
         }
     }
@@ -1167,6 +1198,10 @@ fn expiry_key_seq(key: &[u8]) -> LogResult<u64> {
         .and_then(|seq| seq.try_into().ok())
         .map(u64::from_be_bytes)
         .ok_or_else(|| LogError::Store("malformed expiry key".into()))
+}
+
+fn group_redo_key() -> Vec<u8> {
+    meta_key(META_GROUP_REDO)
 }
 
 fn meta_key(name: &[u8]) -> Vec<u8> {
@@ -1656,5 +1691,35 @@ mod tests {
         assert!(matches!(EmbeddedLog::open(db.clone(), zero_window), Err(LogError::Store(_))));
         let zero_group = EmbeddedConfig { group_commit_records_max: 0, ..EmbeddedConfig::default() };
         assert!(matches!(EmbeddedLog::open(db, zero_group), Err(LogError::Store(_))));
+    }
+
+    /// A group commit torn by a crash after its redo record (and after none, one or some of its
+    /// writes) is completed whole when the log is opened again: every record of it reads back,
+    /// a retry of one of them is a duplicate of the stored one (its msg id was completed too),
+    /// and the next append goes on after the group. The torn append itself was answered with an
+    /// error, and the log refused appends until it was opened again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_commit_torn_by_a_crash_is_completed_whole_on_reopen() {
+        for torn_after in [0, 1, 4] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let db = sled::open(dir.path()).expect("sled");
+            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+            log.append_batch(vec![record("anima.v1.config", "before", b"x")]).await.expect("append");
+            log.tear_next_group_after(torn_after);
+            let torn: Vec<_> = (0..5).map(|n| record("anima.v1.config", &format!("torn-{n}"), b"y")).collect();
+            assert!(log.append_batch(torn.clone()).await.is_err(), "the torn group is not acknowledged");
+            let refused = log.append_batch(vec![record("anima.v1.config", "between", b"z")]).await;
+            assert!(refused.is_err(), "appends are refused until the log is opened again");
+            drop(log);
+
+            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+            assert_eq!(read_seqs(&log, 1, 100, None).await, vec![1, 2, 3, 4, 5, 6], "torn after {torn_after}");
+            let tree = db.open_tree(TREE_NAME).expect("tree");
+            assert!(tree.get(group_redo_key()).expect("get").is_none(), "the redo record is gone");
+            let retried = log.append_batch(torn[3..4].to_vec()).await.expect("append");
+            assert_eq!(retried, vec![AppendOutcome::Duplicate { seq: 5 }], "torn after {torn_after}");
+            let next = log.append_batch(vec![record("anima.v1.config", "after", b"z")]).await.expect("append");
+            assert_eq!(next, vec![AppendOutcome::Appended { seq: 7 }], "torn after {torn_after}");
+        }
     }
 }
