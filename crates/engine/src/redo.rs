@@ -12,11 +12,18 @@
 //! How instead: the whole write set is inserted first as one redo record under `redo_key` (one
 //! insert, atomic), then applied key by key with plain inserts and removals (which take the lock
 //! shared), then the redo record is removed. sled recovers a prefix of its operations after a
-//! crash, so the tree then holds either none of the writes (the redo record never landed), or
-//! the redo record with a prefix of the writes, which [`complete`] applies again, whole, before
-//! anything reads the tree; or all of them. The writes are inserts and removals of whole values,
-//! so applying one twice is the same as once. The checkpoint store writes its change sets the
-//! same way (`checkpoint.rs`, with its pages).
+//! crash (one operation log for every tree of a database), so the trees then hold either none of
+//! the writes (the redo record never landed), or the redo record with a prefix of the writes,
+//! which [`complete`] applies again, whole, before anything reads the tree; or all of them. The
+//! writes are inserts and removals of whole values, so applying one twice is the same as once.
+//! The checkpoint store writes its change sets the same way (`checkpoint.rs`, with its pages).
+//!
+//! The redo record goes in a tree of its own (`redo_tree`): in the written tree, it shares a
+//! leaf with the keys beside it, and every change to that leaf before its removal rewrote it
+//! with the record inside. The embedded log's append bench (`embedded_append`, groups of 1,000
+//! records of ~300 B) gave 34,837 ev/s against raw sled's 154,276 (ratio 0.23) with the record in
+//! the log's tree, and 125,046 against 157,278 (0.80) in its own, where the `apply_batch` build
+//! gave 150,878 against 184,570 (0.82).
 
 /// A write set: keys with their new value, or `None` to remove the key, applied in this order.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -40,18 +47,25 @@ impl Writes {
     }
 }
 
-/// Writes `writes` into `tree` whole (see the module documentation); not flushed. `tear_after`:
+/// Writes `writes` into `tree` whole, through a redo record in `redo_tree` (see the module
+/// documentation); not flushed. `tear_after`:
 /// for tests of a crash, stop after the redo record and that many writes and return `Ok(false)`,
 /// leaving the redo record, as a crash would. `Ok(true)`: written whole.
-pub fn write(tree: &sled::Tree, redo_key: &[u8], writes: &Writes, tear_after: Option<usize>) -> sled::Result<bool> {
+pub fn write(
+    tree: &sled::Tree,
+    redo_tree: &sled::Tree,
+    redo_key: &[u8],
+    writes: &Writes,
+    tear_after: Option<usize>,
+) -> sled::Result<bool> {
     let redo = postcard::to_stdvec(writes).expect("a write set encodes");
-    tree.insert(redo_key, redo)?;
+    redo_tree.insert(redo_key, redo)?;
     let applied = tear_after.unwrap_or(usize::MAX);
     apply(tree, writes, applied)?;
     if applied < writes.len() {
         return Ok(false);
     }
-    tree.remove(redo_key)?;
+    redo_tree.remove(redo_key)?;
     Ok(true)
 }
 
@@ -65,17 +79,17 @@ fn apply(tree: &sled::Tree, writes: &Writes, max: usize) -> sled::Result<()> {
     Ok(())
 }
 
-/// Completes the write a crash interrupted, if `tree` holds its redo record under `redo_key`,
+/// Completes the write a crash interrupted, if `redo_tree` holds its redo record under `redo_key`,
 /// and flushes: the number of writes applied again, or `None` when there was none. `Err` with a
 /// message when the redo record does not decode (nothing is changed then).
-pub fn complete(tree: &sled::Tree, redo_key: &[u8]) -> Result<Option<usize>, String> {
-    let Some(redo) = tree.get(redo_key).map_err(|e| e.to_string())? else {
+pub fn complete(tree: &sled::Tree, redo_tree: &sled::Tree, redo_key: &[u8]) -> Result<Option<usize>, String> {
+    let Some(redo) = redo_tree.get(redo_key).map_err(|e| e.to_string())? else {
         return Ok(None);
     };
     let writes: Writes = postcard::from_bytes(&redo)
         .map_err(|e| format!("the redo record of an interrupted write does not decode: {e}"))?;
     apply(tree, &writes, usize::MAX).map_err(|e| e.to_string())?;
-    tree.remove(redo_key).map_err(|e| e.to_string())?;
+    redo_tree.remove(redo_key).map_err(|e| e.to_string())?;
     tree.flush().map_err(|e| e.to_string())?;
     Ok(Some(writes.len()))
 }
@@ -86,11 +100,11 @@ mod tests {
 
     const REDO: &[u8] = b"x:redo";
 
-    fn tree() -> (tempfile::TempDir, sled::Tree) {
+    /// A written tree and a redo tree of one database.
+    fn trees() -> (tempfile::TempDir, sled::Tree, sled::Tree) {
         let dir = tempfile::tempdir().unwrap();
         let db = sled::Config::new().path(dir.path()).open().unwrap();
-        let tree = db.open_tree("t").unwrap();
-        (dir, tree)
+        (dir, db.open_tree("t").unwrap(), db.open_tree("redo").unwrap())
     }
 
     fn contents(tree: &sled::Tree) -> Vec<(Vec<u8>, Vec<u8>)> {
@@ -110,29 +124,32 @@ mod tests {
     /// a tree whole again has no redo record and nothing to complete.
     #[test]
     fn a_torn_write_is_completed_whole() {
-        let (_whole_dir, whole) = tree();
+        let (_whole_dir, whole, whole_redo) = trees();
         whole.insert(b"old", b"x".as_slice()).unwrap();
-        assert!(write(&whole, REDO, &writes(), None).unwrap());
+        assert!(write(&whole, &whole_redo, REDO, &writes(), None).unwrap());
+        assert!(whole_redo.is_empty());
         let expected = contents(&whole);
         assert_eq!(expected.len(), 3, "a, b and c; old removed: {expected:?}");
         for torn_after in 0..4 {
-            let (_dir, tree) = tree();
+            let (_dir, tree, redo) = trees();
             tree.insert(b"old", b"x".as_slice()).unwrap();
-            assert!(!write(&tree, REDO, &writes(), Some(torn_after)).unwrap());
+            assert!(!write(&tree, &redo, REDO, &writes(), Some(torn_after)).unwrap());
             assert_ne!(contents(&tree), expected, "torn after {torn_after}");
-            assert_eq!(complete(&tree, REDO).unwrap(), Some(4));
+            assert_eq!(complete(&tree, &redo, REDO).unwrap(), Some(4));
             assert_eq!(contents(&tree), expected, "completed after a tear after {torn_after}");
-            assert_eq!(complete(&tree, REDO).unwrap(), None);
+            assert!(redo.is_empty());
+            assert_eq!(complete(&tree, &redo, REDO).unwrap(), None);
         }
     }
 
     /// A redo record that does not decode is reported and leaves the tree as it was.
     #[test]
     fn a_redo_record_that_does_not_decode_is_reported() {
-        let (_dir, tree) = tree();
-        tree.insert(REDO, b"\xff\xff\xff".as_slice()).unwrap();
-        let error = complete(&tree, REDO).unwrap_err();
+        let (_dir, tree, redo) = trees();
+        redo.insert(REDO, b"\xff\xff\xff".as_slice()).unwrap();
+        let error = complete(&tree, &redo, REDO).unwrap_err();
         assert!(error.contains("does not decode"), "{error}");
-        assert!(tree.get(REDO).unwrap().is_some());
+        assert!(redo.get(REDO).unwrap().is_some());
+        assert!(tree.is_empty());
     }
 }

@@ -1,15 +1,16 @@
 //! The embedded event log on sled: the same semantics as the JetStream stream in
 //! one process, for a single machine, a laptop, tests and the first run.
 //!
-//! Everything lives in ONE sled tree named `log`, because a group commit lands whole through a
-//! redo record in the tree it writes ([`crate::redo`]). Keys carry a one-byte prefix:
+//! Everything lives in ONE sled tree named `log`; a group commit lands whole through a redo
+//! record written to the tree `log-redo` while the group is written ([`crate::redo`]). Keys of
+//! `log` carry a one-byte prefix:
 //!
 //! | key | value | why |
 //! |---|---|---|
 //! | `g` + first seq (u64 BE) | a group of records with consecutive seqs (layout `3`) | the log, in seq order |
 //! | `r` + seq (u64 BE) | one record: timestamp, subject, msg id, payload (layouts `1`, `2`) | the log, in seq order |
 //! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
-//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor; the redo record of a group commit being written |
+//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor |
 //!
 //! Pruning: a msg-id entry leaves once its record is older than the dedupe window. Timestamps
 //! are strictly monotonic with seq (below), so the records themselves are the expiry order: the
@@ -73,6 +74,8 @@ use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, Lo
 
 /// Name of the sled tree holding the log; the same `Db` may hold other trees (checkpoints).
 const TREE_NAME: &str = "log";
+/// The tree of the redo record of the group commit being written.
+const REDO_TREE_NAME: &str = "log-redo";
 
 /// One record per entry (layouts 1 and 2).
 const PREFIX_RECORD: u8 = b'r';
@@ -89,8 +92,9 @@ const META_SUBJECT_PREFIX: &[u8] = b"subject_prefix";
 const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
 /// The first seq whose msg id the pruning has not considered yet (u64 BE).
 const META_PRUNE_FROM: &[u8] = b"prune_from";
-/// The redo record of the group commit being written ([`crate::redo`]); present only while a
-/// group is written, or after a crash in the middle of one, until the next open completes it.
+/// The key in `log-redo` of the redo record of the group commit being written
+/// ([`crate::redo`]); present only while a group is written, or after a crash in the middle of
+/// one, until the next open completes it.
 const META_GROUP_REDO: &[u8] = b"group_redo";
 /// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
@@ -214,7 +218,8 @@ impl EmbeddedLog {
         }
         let tree = db.open_tree(TREE_NAME).map_err(store_error)?;
         let (stream_id, subjects, layout) = open_metadata(&tree, &config.subject_prefix)?;
-        if let Some(writes) = redo::complete(&tree, &group_redo_key()).map_err(LogError::Store)? {
+        let redo_tree = db.open_tree(REDO_TREE_NAME).map_err(store_error)?;
+        if let Some(writes) = redo::complete(&tree, &redo_tree, &group_redo_key()).map_err(LogError::Store)? {
             tracing::info!(writes, "completed the group commit a crash interrupted");
         }
         let (last_seq, last_timestamp_ns) = recover_tail(&tree, layout)?;
@@ -225,6 +230,7 @@ impl EmbeddedLog {
         let writer = LogWriter {
             stored_ids: StoredIds::default(),
             tree: tree.clone(),
+            redo_tree,
             layout,
             requests: requests_rx,
             last_seq_tx,
@@ -634,6 +640,8 @@ impl StoredIds {
 struct LogWriter {
     stored_ids: StoredIds,
     tree: sled::Tree,
+    /// Where a group commit's redo record is written while the group is (see [`crate::redo`]).
+    redo_tree: sled::Tree,
     layout: RecordLayout,
     requests: mpsc::Receiver<AppendRequest>,
     last_seq_tx: watch::Sender<u64>,
@@ -771,7 +779,7 @@ impl LogWriter {
         let planned_at = started.elapsed();
         let records: usize = planned.outcomes.iter().map(Vec::len).sum();
         let tear_after = self.tear_next_group_after.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let applied = redo::write(&self.tree, &group_redo_key(), &planned.batch, tear_after);
+        let applied = redo::write(&self.tree, &self.redo_tree, &group_redo_key(), &planned.batch, tear_after);
         let applied_at = started.elapsed();
         let written = match applied {
             Ok(true) => self.tree.flush().map(|_| ()).map_err(|e| e.to_string()),
@@ -1714,8 +1722,8 @@ mod tests {
 
             let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
             assert_eq!(read_seqs(&log, 1, 100, None).await, vec![1, 2, 3, 4, 5, 6], "torn after {torn_after}");
-            let tree = db.open_tree(TREE_NAME).expect("tree");
-            assert!(tree.get(group_redo_key()).expect("get").is_none(), "the redo record is gone");
+            let redo = db.open_tree(REDO_TREE_NAME).expect("tree");
+            assert!(redo.is_empty(), "the redo record is gone");
             let retried = log.append_batch(torn[3..4].to_vec()).await.expect("append");
             assert_eq!(retried, vec![AppendOutcome::Duplicate { seq: 5 }], "torn after {torn_after}");
             let next = log.append_batch(vec![record("anima.v1.config", "after", b"z")]).await.expect("append");
