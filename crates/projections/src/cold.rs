@@ -93,7 +93,7 @@ impl Cold {
         }
     }
 
-    pub(crate) fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+    fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
         self.read(|store| store.get(key)).flatten()
     }
 
