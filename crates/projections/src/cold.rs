@@ -460,29 +460,12 @@ where
         out.into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
     }
 
-    /// A page of the entries of one owner, in memory or in the store, without keeping what it
-    /// reads: at most `limit` present entries whose checkpoint key (tag included) starts with
-    /// `prefix` and comes after `after`, in checkpoint-key byte order, each with that key (a
-    /// page token). `owned(key)` says whether a key in memory is the owner's (its checkpoint key
-    /// starts with `prefix`), so that only those are encoded. For a table that stores each key
-    /// as itself. [`ColdTable::memory_page`] then [`MemoryPage::read_store`], in one go.
-    pub fn page_entries(
-        &self,
-        tag: u8,
-        prefix: &[u8],
-        after: Option<&[u8]>,
-        limit: usize,
-        owned: impl Fn(&K) -> bool,
-        cold: &Cold,
-    ) -> Vec<(Vec<u8>, K, V)>
-    where
-        V: Clone,
-    {
-        self.memory_page(tag, prefix, after, limit, owned).read_store(cold)
-    }
-
-    /// What memory holds of a page of [`ColdTable::page_entries`]: every entry of the owner in
-    /// memory after `after`, present or known absent. The cost follows the table's memory
+    /// What memory holds of a page of the entries of one owner: every entry of the owner in
+    /// memory after `after`, present or known absent. A page is at most `limit` present entries
+    /// whose checkpoint key (tag included) starts with `prefix` and comes after `after`, in
+    /// checkpoint-key byte order, each with that key (a page token); `owned(key)` says whether a
+    /// key in memory is the owner's (its checkpoint key starts with `prefix`), so that only those
+    /// are encoded. For a table that stores each key as itself; nothing read is kept. The cost follows the table's memory
     /// (every entry is looked at), which the budget bounds. The store's part is read by
     /// [`MemoryPage::read_store`], which needs no access to the table: a reader holding the
     /// state's lock may take this and read the store after letting the lock go (see
@@ -873,7 +856,7 @@ mod tests {
             let mut after: Option<Vec<u8>> = None;
             let mut walked = Vec::new();
             loop {
-                let page = table.page_entries(TAG, &[TAG], after.as_deref(), limit, |_| true, &cold);
+                let page = table.memory_page(TAG, &[TAG], after.as_deref(), limit, |_| true).read_store(&cold);
                 assert!(page.len() <= limit);
                 walked.extend(page.iter().map(|(stored, _, value)| (stored.clone(), *value)));
                 if page.len() < limit {

@@ -20,12 +20,9 @@ pub const FROM_STATE: &str = "test:from-state";
 
 /// `agent` mutes (or unmutes) channel `channel` of [`TEAM`], or one of its threads.
 pub fn mute(agent: &str, channel: &str, target_thread: Option<&str>, muted: bool) -> Envelope {
-    Envelope {
-        event_id: format!("mute:{agent}:{channel}:{target_thread:?}:{muted}"),
-        occurred_at_ms: 0,
-        min_reader_version: 1,
-        source: "test".into(),
-        payload: Some(Payload::SubscriptionChange(proto::SubscriptionChangeRequested {
+    envelope(
+        format!("mute:{agent}:{channel}:{target_thread:?}:{muted}"),
+        Payload::SubscriptionChange(proto::SubscriptionChangeRequested {
             agent_id: agent.into(),
             target: Some(proto::SlackTarget {
                 team_id: TEAM.into(),
@@ -34,8 +31,8 @@ pub fn mute(agent: &str, channel: &str, target_thread: Option<&str>, muted: bool
             }),
             mute: muted,
             chat_target: None,
-        })),
-    }
+        }),
+    )
 }
 
 /// The Slack ts of the message sent `minute` minutes after 2023-11-14 22:13:20 UTC.
