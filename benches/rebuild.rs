@@ -40,7 +40,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anima_engine::checkpoint::CheckpointStore;
+use anima_engine::checkpoint::{CheckpointDb, CheckpointStore, CHECKPOINT_CACHE_BYTES_DEFAULT};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendRecord, EventLog};
@@ -145,16 +145,22 @@ enum RawStore {
 struct BackendFixture {
     name: &'static str,
     log: Arc<dyn EventLog>,
-    checkpoint_db: sled::Db,
+    checkpoint_db: CheckpointDb,
     raw: RawStore,
     _directory: tempfile::TempDir,
     // Dropped last: stops nats-server.
     _nats: Option<NatsServer>,
 }
 
+/// The checkpoint store of the data dir in `directory`.
+fn checkpoint_db(directory: &tempfile::TempDir) -> CheckpointDb {
+    CheckpointDb::open(&directory.path().join("data"), CHECKPOINT_CACHE_BYTES_DEFAULT)
+        .expect("open the checkpoint store")
+}
+
 impl BackendFixture {
-    /// The embedded log in a sled database that also holds the checkpoints, as an instance's
-    /// data dir does.
+    /// The embedded log in a sled database and the checkpoints beside it, as an instance's data
+    /// dir holds them.
     fn embedded() -> BackendFixture {
         let directory = tempfile::Builder::new().prefix("anima-bench-rebuild-").tempdir().expect("temporary directory");
         let db = sled::Config::new().path(directory.path().join("data")).open().expect("open sled");
@@ -163,25 +169,24 @@ impl BackendFixture {
         BackendFixture {
             name: "embedded",
             log: Arc::new(log),
-            checkpoint_db: db,
+            checkpoint_db: checkpoint_db(&directory),
             raw: RawStore::Sled(tree),
             _directory: directory,
             _nats: None,
         }
     }
 
-    /// A JetStream stream on a nats-server of its own; the checkpoints in a sled data dir.
+    /// A JetStream stream on a nats-server of its own; the checkpoints in a data dir.
     async fn jetstream() -> BackendFixture {
         let nats = NatsServer::start();
         let directory = tempfile::Builder::new().prefix("anima-bench-rebuild-").tempdir().expect("temporary directory");
-        let db = sled::Config::new().path(directory.path().join("data")).open().expect("open sled");
         let config = JetStreamConfig { url: nats.url(), stream: STREAM.into(), ..JetStreamConfig::default() };
         let log = JetStreamLog::connect(config).await.expect("connect the JetStream log");
         let client = async_nats::connect(nats.url()).await.expect("connect the raw client");
         BackendFixture {
             name: "jetstream",
             log: Arc::new(log),
-            checkpoint_db: db,
+            checkpoint_db: checkpoint_db(&directory),
             raw: RawStore::JetStream(Box::new(async_nats::jetstream::new(client))),
             _directory: directory,
             _nats: Some(nats),
@@ -243,7 +248,7 @@ impl BackendFixture {
     /// Returns the running runner, its shutdown token, and the time `Runner::start` took (the
     /// checkpoint's restore) and the whole time.
     async fn start_runner(&self, tree: &str, last_seq: u64) -> (RunningRunner, Duration, Duration) {
-        let checkpoints = CheckpointStore::open(self.checkpoint_db.clone(), tree).expect("checkpoint tree");
+        let checkpoints = CheckpointStore::open(&self.checkpoint_db, tree).expect("checkpoint tree");
         let shutdown = CancellationToken::new();
         let started = Instant::now();
         let runner = Runner::start(self.log.clone(), checkpoints, RunnerConfig::default(), shutdown.clone())
@@ -371,7 +376,7 @@ fn bench_backend(
                     // Untimed: the last checkpoint, and forgetting the previous round's.
                     runtime.block_on(running.stop());
                     if let Some(previous) = checkpointed.replace(tree) {
-                        fixture.checkpoint_db.drop_tree(previous).expect("drop an old checkpoint tree");
+                        fixture.checkpoint_db.delete(&previous).expect("drop an old checkpoint");
                     }
                     caught_up
                 }

@@ -1,24 +1,27 @@
-//! Checkpoints of the projection state in sled: only changed keys, together with the fold version
-//! and the stream identity (the applied seq is part of the state's meta entry). A checkpoint from
-//! another fold version or another stream is discarded and the state rebuilt from the log.
+//! Checkpoints of the projection state in a store of their own: only changed keys, together with
+//! the fold version and the stream identity (the applied seq is part of the state's meta entry).
+//! A checkpoint from another fold version or another stream is discarded and the state rebuilt
+//! from the log.
 //!
-//! A checkpoint is all or nothing without a sled batch. A sled batch takes sled's process-wide
-//! lock exclusively, so a checkpoint of thousands of entries written as one stalled every other
-//! sled operation of the process for its whole length — the log's appends, the fold's reads of
-//! cold state, the body reads of rendering (under load, Sends of 100 ms or more were 70 times as
-//! many as without it). Instead the whole change set is first written as one value
-//! ([`PENDING_KEY`], a redo record), then applied entry by entry with plain inserts (which share
-//! that lock), then the redo record is removed. sled recovers a prefix of its operations, so
-//! after a crash the store holds either the previous checkpoint untouched (the redo record never
-//! landed) or the redo record, which the next restore applies again, whole, before it reads
-//! anything: never a mix.
+//! The store is fjall (an LSM tree) in the data dir's [`CHECKPOINT_DIR`] folder, beside the sled
+//! database of the embedded log. Checkpoints used to live in that sled database. Under
+//! `anima-load` on JetStream (300 s, about 10,500 ops/s, README "The checkpoint store") sled's
+//! file grew 15.6 MiB/s to 4.7 GiB: sled rewrites a page per changed entry and reclaims a segment
+//! of its file only after rewriting what is still live in it, so the file held about 5% live
+//! data and only `anima-wake compact` gave the rest back, offline. fjall appends a checkpoint to
+//! its journal, flushes memtables into sorted tables and merges them in the background: the same
+//! run's checkpoint store ended at 265 MiB (0.7 MiB/s). Its writes also no longer take sled's
+//! process-wide lock, which every append of the embedded log takes too.
+//!
+//! A checkpoint is all or nothing: its entries, the fold version and the stream identity are one
+//! write batch. fjall writes a batch to its journal followed by a checksum of it, and recovery
+//! drops a last batch whose end is missing or does not match, so after a crash the store holds
+//! the previous checkpoint or this one, never a mix.
 //!
 //! The entries of the tables keyed by (owner, slot) — a surface's rows and dedupe order, an
 //! agent's settled-id order and queued items — are stored in pages of consecutive slots
 //! (`anima_projections::slot_page`): a checkpoint reads each changed page, patches it and writes
-//! it back once, and reads give the entries back one by one. Each sled write costs about 15,000
-//! instructions (leaf splits above 16 entries rewrite the parent whole), and one per changed
-//! entry made checkpoints the largest part of the engine's CPU under load.
+//! it back once, and reads give the entries back one by one.
 
 use anima_projections::slot_page;
 use anima_projections::state::{State, FOLD_VERSION};
@@ -36,16 +39,25 @@ pub const STREAM_KEY: &[u8] = b"m:stream";
 /// (aborted while its write was still on the blocking pool, a crash simulated in-process) can
 /// never land a write after its successor's: a checkpoint is never a mix of two runners.
 pub const EPOCH_KEY: &[u8] = b"m:epoch";
-/// The change set of the checkpoint being written, whole (postcard of its (key, value or removal)
-/// pairs): written before its entries, removed after them (see the module's documentation).
-pub const PENDING_KEY: &[u8] = b"m:pending";
 
-/// The checkpoint trees of a data dir are named this, then the backend.
+/// The folder of a data dir that holds the checkpoint store.
+pub const CHECKPOINT_DIR: &str = "checkpoints";
+/// The checkpoints of a data dir are named this, then the backend (one keyspace each).
 pub const CHECKPOINT_TREE_PREFIX: &str = "checkpoint-";
-/// Name of the checkpoint tree of the embedded log in a data dir.
+/// Name of the checkpoint of the embedded log in a data dir.
 pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
+/// Memory of the checkpoint store's write buffer (one memtable, then sealed ones while they are
+/// written out; each sealed memtable becomes a sorted table on disk within seconds). Under
+/// `anima-load` on JetStream, with fjall's defaults (64 MiB memtables, two background threads at
+/// normal priority) requests stalled 100–200 ms about every 25 s, as each memtable was written
+/// out: 4,711 calls took 100 ms or more in 300 s. With 16 MiB memtables and one background
+/// thread at the checkpoint thread's priority, 569 did (none with sled). README, "The
+/// checkpoint store".
+const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
+/// The checkpoint store's cache of its tables' blocks when nothing else is configured.
+pub const CHECKPOINT_CACHE_BYTES_DEFAULT: u64 = 64 * 1024 * 1024;
 
-/// Name of the checkpoint tree of a JetStream stream in a data dir.
+/// Name of the checkpoint of a JetStream stream in a data dir.
 pub fn jetstream_checkpoint_tree(stream: &str) -> String {
     format!("{CHECKPOINT_TREE_PREFIX}jetstream-{stream}")
 }
@@ -55,9 +67,15 @@ type ChangeSet = Vec<(Vec<u8>, Option<Vec<u8>>)>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    /// sled failed; the checkpoint was not written. The runner stops; restart rebuilds.
-    #[error("sled: {0}")]
-    Sled(#[from] sled::Error),
+    /// The checkpoint store failed; the checkpoint was not written (or not read).
+    #[error("checkpoint store: {0}")]
+    Store(#[from] fjall::Error),
+    /// The data dir's files could not be read (sizing it).
+    #[error("data dir: {0}")]
+    Io(#[from] std::io::Error),
+    /// A checkpoint's name the store cannot hold (empty, or longer than 255 bytes).
+    #[error("checkpoint name {0:?} is empty or longer than 255 bytes")]
+    Name(String),
     #[error("checkpoint task failed: {0}")]
     Task(String),
     /// A write refused by [`CheckpointStore::inject_write_failure`] (fault injection).
@@ -75,16 +93,81 @@ pub enum CheckpointError {
     Page(#[from] slot_page::PageError),
 }
 
-/// A sled tree holding one projection checkpoint.
+/// The checkpoint store of one data dir ([`CHECKPOINT_DIR`]), which may hold the checkpoints of
+/// several logs (one keyspace each). One handle per data dir and process: the store locks its
+/// folder while a handle (or a [`CheckpointStore`] of it) is alive.
+#[derive(Clone)]
+pub struct CheckpointDb {
+    db: fjall::Database,
+    data_dir: std::path::PathBuf,
+}
+
+impl CheckpointDb {
+    /// Opens (creating it) the checkpoint store of the data dir `data_dir`, whose block cache
+    /// takes `cache_bytes`.
+    pub fn open(data_dir: &std::path::Path, cache_bytes: u64) -> Result<Self, CheckpointError> {
+        let db = fjall::Database::builder(data_dir.join(CHECKPOINT_DIR))
+            .cache_size(cache_bytes)
+            // One thread writes memtables out and merges tables, so that the store's background
+            // work never takes both of a small machine's cores from the requests.
+            .worker_threads(1)
+            .open()?;
+        nice_store_threads();
+        Ok(CheckpointDb { db, data_dir: data_dir.to_owned() })
+    }
+
+    /// Whether the data dir holds a checkpoint store (the tools read one only if so).
+    pub fn exists(data_dir: &std::path::Path) -> bool {
+        data_dir.join(CHECKPOINT_DIR).is_dir()
+    }
+
+    /// The names of the checkpoints the store holds.
+    pub fn names(&self) -> Vec<String> {
+        self.db.list_keyspace_names().iter().map(|name| (**name).to_owned()).collect()
+    }
+
+    /// The checkpoint `name` as it is stored (for tools: the census, the copy of `compact`, the
+    /// comparison of `replay verify`, tests), or `None` when the store has none of that name.
+    pub fn existing(&self, name: &str) -> Result<Option<fjall::Keyspace>, CheckpointError> {
+        if !self.db.keyspace_exists(name) {
+            return Ok(None);
+        }
+        self.keyspace(name).map(Some)
+    }
+
+    fn keyspace(&self, name: &str) -> Result<fjall::Keyspace, CheckpointError> {
+        if name.is_empty() || name.len() > usize::from(u8::MAX) {
+            return Err(CheckpointError::Name(name.chars().take(64).collect()));
+        }
+        Ok(self.db.keyspace(name, || fjall::KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES))?)
+    }
+
+    /// Deletes the checkpoint `name` and its files (nothing when there is none).
+    pub fn delete(&self, name: &str) -> Result<(), CheckpointError> {
+        if let Some(keyspace) = self.existing(name)? {
+            self.db.delete_keyspace(keyspace)?;
+        }
+        Ok(())
+    }
+
+    /// Writes everything written so far to disk (fsync).
+    pub fn persist(&self) -> Result<(), CheckpointError> {
+        Ok(self.db.persist(fjall::PersistMode::SyncAll)?)
+    }
+
+    /// The store's size on disk.
+    pub fn disk_bytes(&self) -> Result<u64, CheckpointError> {
+        Ok(self.db.disk_space()?)
+    }
+}
+
+/// One projection checkpoint in a data dir's checkpoint store.
 #[derive(Clone)]
 pub struct CheckpointStore {
-    db: sled::Db,
-    tree: sled::Tree,
-    /// Set by fault injection: every later write fails without touching sled.
+    db: CheckpointDb,
+    tree: fjall::Keyspace,
+    /// Set by fault injection: every later write fails without touching the store.
     fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Set by fault injection: the next write stops after its redo record and this many
-    /// entries, as a crash would leave it.
-    tear_next_write_after: std::sync::Arc<std::sync::Mutex<Option<usize>>>,
     /// This store's epoch, taken by its last restore (0: never restored, writes take none).
     epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// The store's own thread for checkpoint work (see [`CheckpointStore::background`]).
@@ -122,14 +205,13 @@ fn start_background() -> Result<std::sync::mpsc::Sender<BackgroundJob>, Checkpoi
 }
 
 impl CheckpointStore {
-    /// Opens (or creates) the checkpoint tree `name` in `db`.
-    pub fn open(db: sled::Db, name: &str) -> Result<Self, CheckpointError> {
-        let tree = db.open_tree(name)?;
+    /// Opens (or creates) the checkpoint `name` in `db`.
+    pub fn open(db: &CheckpointDb, name: &str) -> Result<Self, CheckpointError> {
+        let tree = db.keyspace(name)?;
         Ok(CheckpointStore {
-            db,
+            db: db.clone(),
             tree,
             fail_writes: Default::default(),
-            tear_next_write_after: Default::default(),
             epoch: Default::default(),
             background: start_background()?,
         })
@@ -156,13 +238,6 @@ impl CheckpointStore {
         self.fail_writes.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Fault injection for tests: the next write lands its redo record and its first `entries`
-    /// entries, then fails with [`CheckpointError::Injected`] and writes nothing more, as a crash
-    /// in the middle of a checkpoint leaves the store (flushed, so a reopen sees it).
-    pub fn inject_torn_write(&self, entries: usize) {
-        *self.tear_next_write_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(entries);
-    }
-
     /// The checkpointed state if it was taken by this fold version on this stream; otherwise
     /// clears the tree and returns an empty state.
     pub async fn restore(&self, stream_identity: &str) -> Result<State, CheckpointError> {
@@ -173,35 +248,17 @@ impl CheckpointStore {
             // The epoch first: any write of an earlier runner that has not landed yet is refused
             // from here on, so what is read below is one runner's checkpoint, whole.
             let epoch = take_epoch(&tree, &db)?;
-            // A checkpoint a crash interrupted is completed from its redo record first.
-            if let Some(pending) = tree.get(PENDING_KEY)? {
-                match postcard::from_bytes::<ChangeSet>(&pending) {
-                    Ok(changes) => {
-                        tracing::info!(entries = changes.len(), "completing the checkpoint a crash interrupted");
-                        apply_changes(&tree, &changes, usize::MAX)?;
-                        tree.remove(PENDING_KEY)?;
-                        db.flush()?;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "the interrupted checkpoint's redo record does not decode");
-                        tree.clear()?;
-                    }
-                }
-            }
             let version_ok = tree.get(FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
             let stream_ok = tree.get(STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
             if version_ok && stream_ok {
                 let mut state = State::new();
                 let mut intact = true;
-                // What is hot comes into memory; the cold tables' entries stay in the store and
-                // are read back when a decision needs them, so restart does not grow with them.
                 let mut loaded = std::collections::BTreeMap::<u8, (usize, usize)>::new();
-                // A table's entries are read, then loaded at once (`State::load_table_entries`).
                 for tag in (0..=u8::MAX).filter(|tag| !State::is_cold_tag(*tag)) {
                     let mut entries = Vec::new();
-                    for entry in tree.scan_prefix([STATE_PREFIX, tag]) {
-                        let (key, value) = entry?;
-                        entries.push((key.subslice(1, key.len() - 1), value));
+                    for entry in tree.prefix([STATE_PREFIX, tag]) {
+                        let (key, value) = entry.into_inner()?;
+                        entries.push((key[1..].to_vec(), value.to_vec()));
                     }
                     if !entries.is_empty() {
                         loaded
@@ -217,12 +274,12 @@ impl CheckpointStore {
                 if intact {
                     return Ok((epoch, state));
                 }
-            } else if !tree.is_empty() {
+            } else if !tree.is_empty()? {
                 tracing::info!(version_ok, stream_ok, "checkpoint is from another fold version or stream; rebuilding");
             }
             tree.clear()?;
             tree.insert(EPOCH_KEY, &epoch.to_be_bytes()[..])?;
-            db.flush()?;
+            db.persist()?;
             Ok((epoch, State::new()))
         })
         .await
@@ -237,8 +294,8 @@ impl CheckpointStore {
         let tree = self.tree.clone();
         tokio::task::spawn_blocking(move || {
             let mut analytics = crate::analytics::MaintainedAnalytics::default();
-            for entry in tree.scan_prefix([ANALYTICS_PREFIX]) {
-                let (key, value) = entry?;
+            for entry in tree.prefix([ANALYTICS_PREFIX]) {
+                let (key, value) = entry.into_inner()?;
                 if let Err(reason) = analytics.load_entry(&key[1..], &value) {
                     return Err(CheckpointError::Decode(anima_projections::state::CheckpointDecodeError {
                         table: "analytics",
@@ -253,7 +310,7 @@ impl CheckpointStore {
     }
 
     /// Writes changed entries (state and analytics counters), the fold version and the stream
-    /// identity, all or nothing through the redo record (flushed when `durable`).
+    /// identity as one write batch, all or nothing (synced to disk when `durable`).
     pub async fn write(
         &self,
         stream_identity: &str,
@@ -268,7 +325,6 @@ impl CheckpointStore {
         let tree = self.tree.clone();
         let stream_identity = stream_identity.to_owned();
         let own = self.epoch.load(std::sync::atomic::Ordering::SeqCst);
-        let tear_after = self.tear_next_write_after.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.background(move || {
             let prefixed = changes
                 .into_iter()
@@ -284,46 +340,38 @@ impl CheckpointStore {
                 .collect();
             changes.push((FOLD_VERSION_KEY.to_vec(), Some(FOLD_VERSION.to_be_bytes().to_vec())));
             changes.push((STREAM_KEY.to_vec(), Some(stream_identity.into_bytes())));
-            let redo = postcard::to_stdvec(&changes).expect("a change set encodes");
             // Applied only while this runner still owns the checkpoint (see EPOCH_KEY): the
-            // epoch is read and the write applied under the process's epoch guard, which a
+            // epoch is read and the batch committed under the process's epoch guard, which a
             // restore takes too, so no restore can come between the check and the write. (Two
-            // processes never share a data dir: sled locks it.) Not a sled transaction either: a
-            // transaction reads every key it writes and buffers the whole write set, which under
-            // load cost more CPU and memory than the rest of the checkpoint.
+            // processes never share a data dir: the stores lock it.)
             {
                 let _guard = EPOCH_GUARD.lock().unwrap_or_else(|p| p.into_inner());
                 let stored = tree.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch);
                 if own != 0 && stored != own {
                     return Err(CheckpointError::Superseded { own, stored });
                 }
-                tree.insert(PENDING_KEY, redo)?;
-                if let Some(entries) = tear_after {
-                    apply_changes(&tree, &changes, entries)?;
-                    db.flush()?;
-                    return Err(CheckpointError::Injected);
-                }
-                apply_changes(&tree, &changes, usize::MAX)?;
-                tree.remove(PENDING_KEY)?;
+                commit_changes(&db.db, &tree, &changes)?;
             }
-            // Not flushed here: sled writes its buffers out within its flush interval, and a
-            // checkpoint lost to a crash only means the restart refolds a little more of the log
-            // (sled recovers a prefix of its operations, so what is restored is one whole
-            // checkpoint, completed from its redo record if need be). The last checkpoint of a
-            // stopping runner is flushed.
+            // Not synced otherwise: a checkpoint lost to a crash only means the restart refolds
+            // a little more of the log (the journal keeps whole batches, so what is restored is
+            // one whole checkpoint). The last checkpoint of a stopping runner is synced.
             if durable {
-                db.flush()?;
+                db.persist()?;
             }
             Ok(())
         })
         .await?
     }
 
-    /// The size of the data dir's sled files on disk (the database holding this checkpoint, and
-    /// the embedded log when it is the backend), for the `anima_data_dir_bytes` gauge: sled's
-    /// file grows far past what it holds under load (see `crate::compact`).
+    /// The size of the data dir's files on disk (the checkpoint store, and the embedded log's
+    /// sled files), for the `anima_data_dir_bytes` gauge.
     pub fn data_dir_bytes(&self) -> Result<u64, CheckpointError> {
-        Ok(self.db.size_on_disk()?)
+        Ok(crate::data_dir::bytes_on_disk(&self.db.data_dir)?)
+    }
+
+    /// The stored checkpoint itself, for tests that damage it as a crash or a bug would.
+    pub fn stored(&self) -> &fjall::Keyspace {
+        &self.tree
     }
 
     /// The applied seq of the stored checkpoint (0 when none), for tools and tests.
@@ -341,18 +389,18 @@ impl CheckpointStore {
 
 /// The checkpoint's state entries as the fold's cold store: entries let go of to keep memory under
 /// the budget are read back from here (see `anima_projections::cold`). Reads are synchronous
-/// (sled's page cache, else the file) and come only from the fold.
-pub struct SledCold {
-    tree: sled::Tree,
+/// (the store's memtables and block cache, else its files) and come only from the fold.
+pub struct StoredCold {
+    tree: fjall::Keyspace,
 }
 
-impl SledCold {
+impl StoredCold {
     pub fn new(store: &CheckpointStore) -> Self {
-        SledCold { tree: store.tree.clone() }
+        StoredCold { tree: store.tree.clone() }
     }
 }
 
-impl anima_projections::cold::ColdStore for SledCold {
+impl anima_projections::cold::ColdStore for StoredCold {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
         state_get(&self.tree, key).map_err(|e| e.to_string())
     }
@@ -378,8 +426,8 @@ impl anima_projections::cold::ColdStore for SledCold {
         };
         let full_prefix = state_key(prefix);
         let mut out = Vec::new();
-        for entry in self.tree.range((start, std::ops::Bound::Unbounded)) {
-            let (key, value) = entry.map_err(|e| e.to_string())?;
+        for entry in self.tree.range::<Vec<u8>, _>((start, std::ops::Bound::Unbounded)) {
+            let (key, value) = entry.into_inner().map_err(|e| e.to_string())?;
             if !key.starts_with(&full_prefix) || out.len() >= limit {
                 break;
             }
@@ -398,7 +446,7 @@ fn state_key(key: &[u8]) -> Vec<u8> {
 
 /// The stored value of the state entry `key` (the state's own key), from its slot page if its
 /// table is paged ([`slot_page`]).
-fn state_get(tree: &sled::Tree, key: &[u8]) -> Result<Option<Vec<u8>>, CheckpointError> {
+fn state_get(tree: &fjall::Keyspace, key: &[u8]) -> Result<Option<Vec<u8>>, CheckpointError> {
     match slot_page::paged_key(key) {
         Some(paged) => match tree.get(state_key(&paged.page_key))? {
             Some(page) => Ok(slot_page::page_get(&page, paged.index)?),
@@ -410,18 +458,18 @@ fn state_get(tree: &sled::Tree, key: &[u8]) -> Result<Option<Vec<u8>>, Checkpoin
 
 /// Every stored state entry whose key starts with `prefix` (state keys), in key-byte order,
 /// with the entries of slot pages given back one by one.
-pub fn state_scan(tree: &sled::Tree, prefix: &[u8]) -> Result<anima_projections::cold::Entries, CheckpointError> {
+pub fn state_scan(tree: &fjall::Keyspace, prefix: &[u8]) -> Result<anima_projections::cold::Entries, CheckpointError> {
     let mut out = Vec::new();
-    for entry in tree.scan_prefix(state_key(prefix)) {
-        let (key, value) = entry?;
+    for entry in tree.prefix(state_key(prefix)) {
+        let (key, value) = entry.into_inner()?;
         if !slot_page::is_page_tag(key.get(1).copied().unwrap_or(0)) {
             out.push((key[1..].to_vec(), value.to_vec()));
         }
     }
     let page_prefixes = slot_page::page_scan_prefixes(prefix);
     for page_prefix in &page_prefixes {
-        for entry in tree.scan_prefix(state_key(page_prefix)) {
-            let (page_key, page) = entry?;
+        for entry in tree.prefix(state_key(page_prefix)) {
+            let (page_key, page) = entry.into_inner()?;
             let entries = slot_page::page_entries(&page_key[1..], &page)?;
             out.extend(entries.into_iter().filter(|(key, _)| key.starts_with(prefix)));
         }
@@ -432,13 +480,13 @@ pub fn state_scan(tree: &sled::Tree, prefix: &[u8]) -> Result<anima_projections:
     Ok(out)
 }
 
-/// Applies the first `max` entries of `changes` to `tree`, one plain operation each (no batch:
-/// see the module's documentation). The entries of a paged table ([`slot_page`]) are applied
-/// to their pages: each changed page is read, patched with all of its changes and written back
-/// once.
-fn apply_changes(tree: &sled::Tree, changes: &ChangeSet, max: usize) -> Result<(), CheckpointError> {
+/// Commits `changes` to `tree` as one write batch. The entries of a paged table ([`slot_page`])
+/// are applied to their pages: each changed page is read, patched with all of its changes and
+/// written back once.
+fn commit_changes(db: &fjall::Database, tree: &fjall::Keyspace, changes: &ChangeSet) -> Result<(), CheckpointError> {
     let mut pages: std::collections::BTreeMap<Vec<u8>, slot_page::PageChanges<'_>> = Default::default();
-    for (key, value) in changes.iter().take(max) {
+    let mut batch = db.batch();
+    for (key, value) in changes.iter() {
         let paged = match key.split_first() {
             Some((&STATE_PREFIX, state)) => slot_page::paged_key(state),
             _ => None,
@@ -447,30 +495,48 @@ fn apply_changes(tree: &sled::Tree, changes: &ChangeSet, max: usize) -> Result<(
             (Some(paged), _) => {
                 pages.entry(state_key(&paged.page_key)).or_default().push((paged.index, value.as_deref()))
             }
-            (None, Some(value)) => drop(tree.insert(key, value.as_slice())?),
-            (None, None) => drop(tree.remove(key)?),
+            (None, Some(value)) => batch.insert(tree, key.as_slice(), value.as_slice()),
+            (None, None) => batch.remove(tree, key.as_slice()),
         }
     }
     for (page_key, changes) in pages {
         let old = tree.get(&page_key)?;
         match slot_page::page_apply(old.as_deref(), &changes)? {
-            Some(page) => drop(tree.insert(page_key, page)?),
-            None => drop(tree.remove(page_key)?),
+            Some(page) => batch.insert(tree, page_key, page),
+            None => batch.remove(tree, page_key),
         }
     }
+    batch.commit()?;
     Ok(())
+}
+
+/// Lowers the checkpoint store's own threads to [`CHECKPOINT_THREAD_NICE`], as the checkpoint
+/// thread is (fjall names them `fjall:worker`; Linux lists a process's threads, with their
+/// names, under `/proc/self/task`). Elsewhere they keep the default priority.
+fn nice_store_threads() {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("fjall") {
+            continue;
+        }
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else { continue };
+        if let Some(pid) = rustix::process::Pid::from_raw(tid) {
+            let _ = rustix::process::setpriority_process(Some(pid), CHECKPOINT_THREAD_NICE);
+        }
+    }
 }
 
 /// Takes the next epoch of the checkpoint in `tree` and makes it durable.
 /// Held while an epoch is taken and while a write checks it and applies (see EPOCH_KEY).
 static EPOCH_GUARD: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn take_epoch(tree: &sled::Tree, db: &sled::Db) -> Result<u64, CheckpointError> {
+fn take_epoch(tree: &fjall::Keyspace, db: &CheckpointDb) -> Result<u64, CheckpointError> {
     let _guard = EPOCH_GUARD.lock().unwrap_or_else(|p| p.into_inner());
-    let next =
-        tree.update_and_fetch(EPOCH_KEY, |old| Some((old.map_or(0, decode_epoch) + 1).to_be_bytes().to_vec()))?;
-    db.flush()?;
-    Ok(next.as_deref().map_or(1, decode_epoch))
+    let next = tree.get(EPOCH_KEY)?.as_deref().map_or(0, decode_epoch) + 1;
+    tree.insert(EPOCH_KEY, next.to_be_bytes())?;
+    db.persist()?;
+    Ok(next)
 }
 
 fn decode_epoch(bytes: &[u8]) -> u64 {

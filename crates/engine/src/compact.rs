@@ -7,10 +7,14 @@
 //! database took 383 MiB (README, "What a data dir holds"). This is the offline remedy an
 //! operator can use today: the engine does not bound the file while it runs.
 //!
+//! Checkpoints now live in a store of their own (`crate::checkpoint`) that keeps its files near
+//! what it holds while the engine runs; the copy rewrites them too, so the new data dir is whole.
+//!
 //! The copy is written beside the target (`NEW.partial`), checked against the source (sled's
-//! checksum of every tree's keys and values must be equal), flushed and closed, and only then
-//! renamed to the target: a target that exists is a whole, checked copy. The source is opened
-//! (so locked) for the whole copy and never written.
+//! checksum of every tree's keys and values must be equal, and so must a digest of every
+//! checkpoint's), flushed and closed, and only then renamed to the target: a target that exists
+//! is a whole, checked copy. The source is opened (so locked) for the whole copy and never
+//! written.
 
 use std::path::{Path, PathBuf};
 
@@ -64,6 +68,9 @@ pub enum CompactError {
         #[source]
         source: std::io::Error,
     },
+    /// The checkpoint store could not be read or written.
+    #[error("{what} the checkpoints of {path}: {reason}")]
+    Checkpoints { what: &'static str, path: String, reason: String },
     /// The copy's checksum differs from the source's: the copy was removed.
     #[error("the copy of {0} does not match it (checksums differ); nothing was written")]
     Mismatch(String),
@@ -86,10 +93,16 @@ pub fn compact(from: &Path, into: &Path, mut progress: impl FnMut(&str, u64)) ->
     // A partial copy is what an earlier compaction left when it was stopped: never a data dir.
     remove_dir_if_present(&partial)?;
     let source = data_dir::open(from, COPY_CACHE_BYTES, false)?;
-    let copied = copy_checked(&source, from, &partial, &mut progress).and_then(|(trees, after_bytes)| {
-        let before_bytes = source.size_on_disk().map_err(store("sizing", from))?;
-        Ok(Compaction { before_bytes, after_bytes, trees })
-    });
+    let copied = copy_checked(&source, from, &partial, &mut progress)
+        .and_then(|mut trees| {
+            trees.extend(copy_checkpoints(from, &partial, &mut progress)?);
+            Ok(trees)
+        })
+        .and_then(|trees| {
+            let before_bytes = data_dir::bytes_on_disk(from).map_err(io("sizing", from))?;
+            let after_bytes = data_dir::bytes_on_disk(&partial).map_err(io("sizing", &partial))?;
+            Ok(Compaction { before_bytes, after_bytes, trees })
+        });
     drop(source);
     let released = data_dir::wait_until_released(from, data_dir::RELEASE_WAIT_DEFAULT);
     let compaction = match copied.and_then(|compaction| released.map(|()| compaction).map_err(CompactError::from)) {
@@ -104,13 +117,13 @@ pub fn compact(from: &Path, into: &Path, mut progress: impl FnMut(&str, u64)) ->
 }
 
 /// The copy of `source` into a new database at `partial`, checked, flushed and closed: each
-/// tree's tally and the copy's size on disk.
+/// tree's tally.
 fn copy_checked(
     source: &sled::Db,
     from: &Path,
     partial: &Path,
     progress: &mut impl FnMut(&str, u64),
-) -> Result<(Vec<(String, Tally)>, u64), CompactError> {
+) -> Result<Vec<(String, Tally)>, CompactError> {
     let target = data_dir::open(partial, COPY_CACHE_BYTES, true)?;
     let mut trees = Vec::new();
     for name in source.tree_names() {
@@ -140,12 +153,70 @@ fn copy_checked(
     let same =
         source.checksum().map_err(store("checking", from))? == target.checksum().map_err(store("checking", partial))?;
     target.flush().map_err(store("writing", partial))?;
-    let after_bytes = target.size_on_disk().map_err(store("sizing", partial))?;
     data_dir::close(target, partial, data_dir::RELEASE_WAIT_DEFAULT)?;
     if !same {
         return Err(CompactError::Mismatch(from.display().to_string()));
     }
-    Ok((trees, after_bytes))
+    Ok(trees)
+}
+
+/// The copy of every checkpoint of `from`'s checkpoint store into a new one at `partial`, each
+/// checked against its source by a digest of its entries, read back from the copy: each
+/// checkpoint's tally. Nothing when `from` has no checkpoint store.
+fn copy_checkpoints(
+    from: &Path,
+    partial: &Path,
+    progress: &mut impl FnMut(&str, u64),
+) -> Result<Vec<(String, Tally)>, CompactError> {
+    use crate::checkpoint::{CheckpointDb, CheckpointStore};
+    use sha2::Digest as _;
+    if !CheckpointDb::exists(from) {
+        return Ok(Vec::new());
+    }
+    let failed = |what: &'static str, path: &Path| {
+        let path = path.display().to_string();
+        move |e: &dyn std::fmt::Display| CompactError::Checkpoints { what, path: path.clone(), reason: e.to_string() }
+    };
+    let (reading, writing) = (failed("reading", from), failed("writing", partial));
+    let source = CheckpointDb::open(from, COPY_CACHE_BYTES).map_err(|e| reading(&e))?;
+    let target = CheckpointDb::open(partial, COPY_CACHE_BYTES).map_err(|e| writing(&e))?;
+    let mut trees = Vec::new();
+    for name in source.names() {
+        let Some(from_tree) = source.existing(&name).map_err(|e| reading(&e))? else { continue };
+        let into_tree = CheckpointStore::open(&target, &name).map_err(|e| writing(&e))?.stored().clone();
+        let mut tally = Tally::default();
+        let mut digest = sha2::Sha256::new();
+        for entry in from_tree.iter() {
+            let (key, value) = entry.into_inner().map_err(|e| reading(&e))?;
+            tally.add(&key, &value);
+            digest_entry(&mut digest, &key, &value);
+            into_tree.insert(key, value).map_err(|e| writing(&e))?;
+            if tally.entries % PROGRESS_EVERY_ENTRIES == 0 {
+                progress(&name, tally.entries);
+            }
+        }
+        progress(&name, tally.entries);
+        let mut copied = sha2::Sha256::new();
+        for entry in into_tree.iter() {
+            let (key, value) = entry.into_inner().map_err(|e| writing(&e))?;
+            digest_entry(&mut copied, &key, &value);
+        }
+        if digest.finalize() != copied.finalize() {
+            return Err(CompactError::Mismatch(from.display().to_string()));
+        }
+        trees.push((name, tally));
+    }
+    target.persist().map_err(|e| writing(&e))?;
+    Ok(trees)
+}
+
+/// Feeds one entry to a checkpoint's digest, lengths first so that entries cannot run together.
+fn digest_entry(digest: &mut sha2::Sha256, key: &[u8], value: &[u8]) {
+    use sha2::Digest as _;
+    digest.update((key.len() as u64).to_be_bytes());
+    digest.update(key);
+    digest.update((value.len() as u64).to_be_bytes());
+    digest.update(value);
 }
 
 /// Where the copy is written until it is whole and checked: `NEW.partial`, beside `NEW`.
@@ -188,24 +259,37 @@ mod tests {
     type TreeEntries = (Vec<u8>, anima_projections::cold::Entries);
 
     fn churned(dir: &Path) -> Vec<TreeEntries> {
-        let db = data_dir::open(dir, COPY_CACHE_BYTES, true).unwrap();
-        let mut expected = Vec::new();
-        for name in ["log", "checkpoint-embedded"] {
-            let tree = db.open_tree(name).unwrap();
+        let churn = |insert: &mut dyn FnMut(u32, Vec<u8>), remove: &mut dyn FnMut(u32)| {
             for round in 0..20u32 {
                 for i in 0..3_000u32 {
-                    tree.insert(i.to_be_bytes(), vec![(round % 251) as u8; 200]).unwrap();
+                    insert(i, vec![(round % 251) as u8; 200]);
                 }
                 for i in (0..3_000u32).step_by(3) {
-                    tree.remove(i.to_be_bytes()).unwrap();
+                    remove(i);
                 }
             }
-            let entries = tree.iter().map(|e| e.unwrap()).map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
-            expected.push((name.as_bytes().to_vec(), entries));
-        }
+        };
+        let db = data_dir::open(dir, COPY_CACHE_BYTES, true).unwrap();
+        let tree = db.open_tree("log").unwrap();
+        churn(&mut |i, value| drop(tree.insert(i.to_be_bytes(), value).unwrap()), &mut |i| {
+            drop(tree.remove(i.to_be_bytes()).unwrap())
+        });
+        let log = tree.iter().map(|e| e.unwrap()).map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
         db.insert(b"default-key", b"default-value").unwrap();
+        drop(tree);
         data_dir::close(db, dir, data_dir::RELEASE_WAIT_DEFAULT).unwrap();
-        expected
+        let store = crate::checkpoint::CheckpointDb::open(dir, COPY_CACHE_BYTES).unwrap();
+        let tree = crate::checkpoint::CheckpointStore::open(&store, "checkpoint-embedded").unwrap().stored().clone();
+        churn(&mut |i, value| tree.insert(i.to_be_bytes(), value).unwrap(), &mut |i| {
+            tree.remove(i.to_be_bytes()).unwrap()
+        });
+        store.persist().unwrap();
+        let checkpoint = checkpoint_entries(&tree);
+        vec![(b"log".to_vec(), log), (b"checkpoint-embedded".to_vec(), checkpoint)]
+    }
+
+    fn checkpoint_entries(tree: &fjall::Keyspace) -> anima_projections::cold::Entries {
+        tree.iter().map(|e| e.into_inner().unwrap()).map(|(k, v)| (k.to_vec(), v.to_vec())).collect()
     }
 
     #[test]
@@ -225,13 +309,15 @@ mod tests {
         assert!(reported.iter().any(|(tree, entries)| tree == "log" && *entries == 2_000), "{reported:?}");
         assert!(!partial_path(&into).exists(), "the partial copy was renamed");
         let copy = data_dir::open(&into, COPY_CACHE_BYTES, false).unwrap();
-        for (name, entries) in &expected {
-            let tree = copy.open_tree(name).unwrap();
-            let copied: Vec<_> = tree.iter().map(|e| e.unwrap()).map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
-            assert_eq!(&copied, entries, "tree {}", String::from_utf8_lossy(name));
-        }
+        let log = copy.open_tree("log").unwrap();
+        let copied: Vec<_> = log.iter().map(|e| e.unwrap()).map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
+        assert_eq!(copied, expected[0].1, "the log tree");
         assert_eq!(copy.get(b"default-key").unwrap().as_deref(), Some(&b"default-value"[..]));
-        drop(copy);
+        drop((log, copy));
+        let copied_store = crate::checkpoint::CheckpointDb::open(&into, COPY_CACHE_BYTES).unwrap();
+        let checkpoint = copied_store.existing("checkpoint-embedded").unwrap().expect("the checkpoint was copied");
+        assert_eq!(checkpoint_entries(&checkpoint), expected[1].1, "the checkpoint");
+        drop((checkpoint, copied_store));
         data_dir::wait_until_released(&into, data_dir::RELEASE_WAIT_DEFAULT).unwrap();
         // The source is untouched and free again.
         let source = data_dir::open(&from, COPY_CACHE_BYTES, false).unwrap();

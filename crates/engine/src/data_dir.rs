@@ -1,7 +1,9 @@
-//! The data directory: one sled database holding the embedded log (when it is the backend) and
-//! the checkpoints. This module owns how it is opened (with an explicit page-cache bound) and how
-//! a caller knows it was really let go.
+//! The data directory: one sled database holding the embedded log (when it is the backend), and
+//! the checkpoint store in its own folder (`crate::checkpoint`). This module owns how the sled
+//! database is opened (with an explicit page-cache bound) and how a caller knows the directory
+//! was really let go.
 //!
+//! Both stores lock their files (the checkpoint store its `checkpoints/lock`) the same way.
 //! sled locks its directory (an exclusive `flock` on the `db` file) so that one process at a time
 //! uses it. The lock goes away only when sled closes that file, which its own background threads
 //! may do a moment *after* the last `Db` handle is dropped. Reopening the directory right away —
@@ -49,9 +51,27 @@ pub enum DataDirError {
     NotReleased { path: String, waited: Duration },
 }
 
-/// The sled file whose lock marks the directory as in use.
-fn lock_file(dir: &Path) -> PathBuf {
-    dir.join("db")
+/// The files whose locks mark the directory as in use: sled's, then the checkpoint store's.
+fn lock_files(dir: &Path) -> [PathBuf; 2] {
+    [dir.join("db"), dir.join(crate::checkpoint::CHECKPOINT_DIR).join("lock")]
+}
+
+/// What every file under `dir` (both stores) takes on disk, in bytes: the blocks allocated to
+/// it, as `du` counts them. Not the files' lengths: the checkpoint store makes each journal
+/// 64 MiB long before writing it, and only what it wrote takes room.
+pub fn bytes_on_disk(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        if kind.is_dir() {
+            total += bytes_on_disk(&entry.path())?;
+        } else if kind.is_file() {
+            total += entry.metadata()?.blocks() * 512;
+        }
+    }
+    Ok(total)
 }
 
 /// What a cached page takes in memory against the size sled counts it by. sled bounds its
@@ -94,13 +114,19 @@ pub fn close(db: sled::Db, dir: &Path, timeout: Duration) -> Result<(), DataDirE
     wait_until_released(dir, timeout)
 }
 
-/// Waits until no handle (in this process or another) holds sled's lock on `dir`, for at most
-/// `timeout`. A directory without a database counts as released.
+/// Waits until no handle (in this process or another) holds a lock of the stores of `dir`, for
+/// at most `timeout`. A store that is not there counts as released.
 pub fn wait_until_released(dir: &Path, timeout: Duration) -> Result<(), DataDirError> {
-    let path = lock_file(dir);
     let started = Instant::now();
+    for path in lock_files(dir) {
+        wait_for_lock(dir, &path, started, timeout)?;
+    }
+    Ok(())
+}
+
+fn wait_for_lock(dir: &Path, path: &Path, started: Instant, timeout: Duration) -> Result<(), DataDirError> {
     loop {
-        let file = match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+        let file = match std::fs::OpenOptions::new().read(true).write(true).open(path) {
             Ok(file) => file,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(source) => return Err(DataDirError::Open { path: dir.display().to_string(), source }),

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use anima_projections::memory::MemoryConfig;
 
-use crate::checkpoint::CheckpointStore;
+use crate::checkpoint::{CheckpointDb, CheckpointStore};
 use crate::clock::{Clock, SystemClock};
 use crate::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use crate::log::jetstream::{JetStreamConfig, JetStreamLog};
@@ -30,11 +30,14 @@ pub enum Backend {
 
 #[derive(Clone, Debug)]
 pub struct InstanceConfig {
-    /// Holds the embedded log (if used) and the checkpoints. sled locks it: one process at a time.
+    /// Holds the embedded log (if used) and the checkpoints. Its stores lock it: one process at a
+    /// time.
     pub data_dir: PathBuf,
     /// sled's page cache for the data dir, bytes (part of the engine's memory budget; sled's own
     /// default of 1 GiB is never left in force).
     pub sled_cache_bytes: u64,
+    /// The checkpoint store's block cache, bytes (part of the engine's memory budget).
+    pub checkpoint_cache_bytes: u64,
     pub backend: Backend,
     pub runner: RunnerConfig,
     pub engine: EngineConfig,
@@ -62,6 +65,7 @@ impl InstanceConfig {
         InstanceConfig {
             data_dir: data_dir.into(),
             sled_cache_bytes: crate::data_dir::SLED_CACHE_BYTES_DEFAULT,
+            checkpoint_cache_bytes: crate::checkpoint::CHECKPOINT_CACHE_BYTES_DEFAULT,
             backend,
             runner: RunnerConfig::default(),
             engine: EngineConfig::default(),
@@ -106,6 +110,9 @@ pub struct Instance {
     pub recovery: tokio::task::JoinHandle<()>,
     /// The memory-pass scheduler, when this instance runs one; it ends with `shutdown`.
     pub scheduler: Option<tokio::task::JoinHandle<()>>,
+    /// The data dir's sled database, held (with its lock) as long as the instance, whatever
+    /// the backend.
+    sled: sled::Db,
 }
 
 impl Instance {
@@ -133,7 +140,11 @@ impl Instance {
             Some(observer) => Arc::new(ObservedLog::new(log, observer.clone())),
             None => log,
         };
-        let checkpoints = CheckpointStore::open(db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
+        drop_sled_checkpoints(&db).map_err(|e| data_dir_error(e.to_string()))?;
+        let checkpoint_db = CheckpointDb::open(&config.data_dir, config.checkpoint_cache_bytes)
+            .map_err(|e| data_dir_error(e.to_string()))?;
+        let checkpoints =
+            CheckpointStore::open(&checkpoint_db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
         let Runner { projection, task, .. } =
             Runner::start(log.clone(), checkpoints.clone(), config.runner, shutdown.clone()).await?;
@@ -179,6 +190,7 @@ impl Instance {
             runner: task,
             recovery,
             scheduler,
+            sled: db,
         })
     }
 
@@ -201,7 +213,7 @@ impl Instance {
 
     /// Ends the loops and the runner (a last checkpoint) and drops this instance's engine.
     async fn stop_tasks(self) -> Result<PathBuf, InstanceError> {
-        let Instance { engine, data_dir, checkpoints, shutdown, runner, recovery, scheduler, .. } = self;
+        let Instance { engine, data_dir, checkpoints, shutdown, runner, recovery, scheduler, sled, .. } = self;
         drop(checkpoints);
         shutdown.cancel();
         let _ = recovery.await;
@@ -213,6 +225,24 @@ impl Instance {
             Ok(result) => result?,
             Err(e) => return Err(InstanceError::CatchUp(format!("runner task: {e}"))),
         }
+        drop(sled);
         Ok(data_dir)
     }
+}
+
+/// Drops the checkpoints an earlier version kept in the sled database (trees named
+/// `checkpoint-…`): checkpoints now live in their own store, and the first start on such a data
+/// dir rebuilds its state from the log. What they took in sled's file is given back by
+/// `anima-wake compact`.
+fn drop_sled_checkpoints(db: &sled::Db) -> Result<(), sled::Error> {
+    for name in db.tree_names() {
+        if name.starts_with(crate::checkpoint::CHECKPOINT_TREE_PREFIX.as_bytes()) {
+            tracing::info!(
+                tree = %String::from_utf8_lossy(&name),
+                "dropping a checkpoint kept in sled by an earlier version; the state is rebuilt from the log"
+            );
+            db.drop_tree(&name)?;
+        }
+    }
+    Ok(())
 }

@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::analytics::MaintainedAnalytics;
-use crate::checkpoint::{CheckpointStore, SledCold};
+use crate::checkpoint::{CheckpointStore, StoredCold};
 use crate::log::{EventLog, LogError, StoredRecord};
 use anima_projections::cold::Cold;
 
@@ -272,7 +272,7 @@ impl Runner {
             checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         // A checkpoint at seq 0 folded nothing, so it left nothing cold in the store either.
         let restored = state.meta.applied_seq > 0;
-        state.attach_cold(Cold::new(Arc::new(SledCold::new(&checkpoints))), restored);
+        state.attach_cold(Cold::new(Arc::new(StoredCold::new(&checkpoints))), restored);
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(

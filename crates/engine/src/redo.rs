@@ -5,7 +5,7 @@
 //! taken shared by every other operation — a read, an insert, an iterator step, and a flush for
 //! as long as its `fsync` runs — and exclusively by `apply_batch`. A batch waits for every
 //! holder to let go, and while it waits every new operation of the process waits behind it: the
-//! fold's reads of cold state under the state lock, the checkpoint's inserts, the body reads.
+//! body reads of rendering, the log's own readers.
 //! Under `anima-load` on the embedded log, group commits whose `apply_batch` took 80–118 ms (the
 //! flush after it a few ms) came with bursts where every call took 100–250 ms.
 //!
@@ -16,7 +16,8 @@
 //! the writes (the redo record never landed), or the redo record with a prefix of the writes,
 //! which [`complete`] applies again, whole, before anything reads the tree; or all of them. The
 //! writes are inserts and removals of whole values, so applying one twice is the same as once.
-//! The checkpoint store writes its change sets the same way (`checkpoint.rs`, with its pages).
+//! (Checkpoints were written the same way while they lived in sled; their store now has atomic
+//! batches of its own, `checkpoint.rs`.)
 //!
 //! The redo record goes in a tree of its own (`redo_tree`): in the written tree, it shares a
 //! leaf with the keys beside it, and every change to that leaf before its removal rewrote it

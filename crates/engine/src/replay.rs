@@ -1019,14 +1019,41 @@ pub async fn tap(
     Ok(events.boxed())
 }
 
-use crate::checkpoint::{jetstream_checkpoint_tree, EMBEDDED_CHECKPOINT_TREE};
+use crate::checkpoint::{jetstream_checkpoint_tree, CheckpointDb, EMBEDDED_CHECKPOINT_TREE};
 
 /// A log opened directly, without a server, and the data dir holding its checkpoint (if any).
 pub struct DirectSource {
     pub log: Arc<dyn EventLog>,
     /// What was opened, for the operator ("embedded log in ./data", "JetStream stream ANIMA at ...").
     pub description: String,
-    checkpoint: Option<(sled::Db, String)>,
+    checkpoint: Option<StoredCheckpoint>,
+}
+
+/// The data dir holding a log's checkpoint: its sled database (held, with its lock, while the
+/// source is open), its checkpoint store (`None` when the data dir has none) and the
+/// checkpoint's name.
+struct StoredCheckpoint {
+    _sled: sled::Db,
+    store: Option<CheckpointDb>,
+    name: String,
+}
+
+impl StoredCheckpoint {
+    fn open(path: &Path, sled: sled::Db, name: String) -> Result<Self, ReplayError> {
+        let store = if CheckpointDb::exists(path) {
+            // Only read: the cache is small.
+            let store = CheckpointDb::open(path, 16 * 1024 * 1024).map_err(|e| match e {
+                crate::checkpoint::CheckpointError::Store(fjall::Error::Locked) => {
+                    ReplayError::Locked { path: path.display().to_string() }
+                }
+                other => ReplayError::Source(format!("{}: {other}", path.display())),
+            })?;
+            Some(store)
+        } else {
+            None
+        };
+        Ok(StoredCheckpoint { _sled: sled, store, name })
+    }
 }
 
 impl std::fmt::Debug for DirectSource {
@@ -1064,7 +1091,7 @@ impl DirectSource {
         Ok(DirectSource {
             log: Arc::new(log),
             description: format!("embedded log in {} (read directly)", path.display()),
-            checkpoint: Some((db, EMBEDDED_CHECKPOINT_TREE.to_owned())),
+            checkpoint: Some(StoredCheckpoint::open(&path, db, EMBEDDED_CHECKPOINT_TREE.to_owned())?),
         })
     }
 
@@ -1095,7 +1122,7 @@ impl DirectSource {
         }
         let checkpoint = match data_dir {
             Some(path) if path.join("db").exists() => {
-                Some((open_data_dir_db(path)?, jetstream_checkpoint_tree(&config.stream)))
+                Some(StoredCheckpoint::open(path, open_data_dir_db(path)?, jetstream_checkpoint_tree(&config.stream))?)
             }
             _ => None,
         };
@@ -1107,21 +1134,22 @@ impl DirectSource {
     /// Rebuilds the state from the log up to the checkpoint's applied sequence and compares
     /// it, entry by entry and as canonical bytes, with the checkpoint in the data dir.
     pub async fn verify(&self, config: ReplayConfig) -> Result<VerifyReport, ReplayError> {
-        let (db, tree_name) = self
+        let StoredCheckpoint { store, name: tree_name, .. } = self
             .checkpoint
             .as_ref()
             .ok_or_else(|| ReplayError::Source("no data dir with a checkpoint was opened (pass --data)".to_owned()))?;
-        if !db.tree_names().iter().any(|name| name.as_ref() == tree_name.as_bytes()) {
-            return Err(ReplayError::Source(format!("the data dir has no checkpoint tree {tree_name}")));
-        }
-        let tree = db.open_tree(tree_name).map_err(|e| ReplayError::Source(format!("checkpoint tree: {e}")))?;
-        let sled_error = |e: sled::Error| ReplayError::Source(format!("reading checkpoint tree {tree_name}: {e}"));
+        let no_checkpoint = || ReplayError::Source(format!("the data dir has no checkpoint {tree_name}"));
+        let store = store.as_ref().ok_or_else(no_checkpoint)?;
+        let read_error =
+            |e: crate::checkpoint::CheckpointError| ReplayError::Source(format!("reading checkpoint {tree_name}: {e}"));
+        let tree = store.existing(tree_name).map_err(read_error)?.ok_or_else(no_checkpoint)?;
+        let store_error = |e: fjall::Error| ReplayError::Source(format!("reading checkpoint {tree_name}: {e}"));
         let fold_version = tree
             .get(FOLD_VERSION_KEY)
-            .map_err(sled_error)?
+            .map_err(store_error)?
             .and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok())
             .map(u32::from_be_bytes);
-        let stream = tree.get(STREAM_KEY).map_err(sled_error)?.map(|v| String::from_utf8_lossy(&v).into_owned());
+        let stream = tree.get(STREAM_KEY).map_err(store_error)?.map(|v| String::from_utf8_lossy(&v).into_owned());
         if fold_version != Some(FOLD_VERSION) {
             return Err(ReplayError::Source(format!(
                 "the checkpoint was taken by fold version {} and this build folds version {FOLD_VERSION}: a \
@@ -1138,8 +1166,7 @@ impl DirectSource {
         }
         let mut checkpoint: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
         // Entry by entry, as the state wrote them (slot pages given back one entry each).
-        let stored = crate::checkpoint::state_scan(&tree, &[])
-            .map_err(|e| ReplayError::Source(format!("reading checkpoint tree {tree_name}: {e}")))?;
+        let stored = crate::checkpoint::state_scan(&tree, &[]).map_err(read_error)?;
         checkpoint.extend(stored);
         let mut checkpointed = State::new();
         for (key, value) in &checkpoint {

@@ -3,9 +3,11 @@
 //! sled 0.34 appends every write to its segment file and reclaims a segment only once at most
 //! half of it is live, by rewriting its live pages as other writes go on; nothing shrinks the
 //! file but the tail becoming free. Under steady checkpoint traffic the file grew far past what
-//! the store holds (README, "Where the memory goes"). This census reads every entry once (keys
-//! and values, as stored) and groups them by tree and, in a checkpoint tree, by table, so an
-//! operator can see how much of the file is live and which table holds it.
+//! the store held (README, "Where the memory goes"), which is why checkpoints moved to a store of
+//! their own (`crate::checkpoint`). This census reads every entry of both stores once (keys and
+//! values, as stored) and groups them by tree (a sled tree, or a checkpoint) and, in a
+//! checkpoint, by table, so an operator can see how much of the data dir is live and which
+//! table holds it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,7 +43,7 @@ pub struct TreeCensus {
     pub groups: BTreeMap<String, Tally>,
 }
 
-/// A data dir: the size sled reports for its files and what each tree holds.
+/// A data dir: the size of its files and what each tree holds.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct StoreCensus {
     pub on_disk_bytes: u64,
@@ -66,6 +68,14 @@ pub enum CensusError {
         path: String,
         #[source]
         source: sled::Error,
+    },
+    #[error("reading the checkpoints of data dir {path}: {reason}")]
+    Checkpoints { path: String, reason: String },
+    #[error("sizing data dir {path}: {source}")]
+    Size {
+        path: String,
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -94,9 +104,30 @@ pub fn census(dir: &Path) -> Result<StoreCensus, CensusError> {
             trees.push(census);
         }
     }
-    let on_disk_bytes = db.size_on_disk().map_err(read_error)?;
+    if crate::checkpoint::CheckpointDb::exists(dir) {
+        let checkpoints_error = |e: &dyn std::fmt::Display| CensusError::Checkpoints {
+            path: dir.display().to_string(),
+            reason: e.to_string(),
+        };
+        let store =
+            crate::checkpoint::CheckpointDb::open(dir, CENSUS_CACHE_BYTES).map_err(|e| checkpoints_error(&e))?;
+        for name in store.names() {
+            let Some(tree) = store.existing(&name).map_err(|e| checkpoints_error(&e))? else { continue };
+            let mut census = TreeCensus { name, ..TreeCensus::default() };
+            for entry in tree.iter() {
+                let (key, value) = entry.into_inner().map_err(|e| checkpoints_error(&e))?;
+                census.total.add(&key, &value);
+                census.groups.entry(checkpoint_group(&key)).or_default().add(&key, &value);
+            }
+            if census.total.entries > 0 {
+                trees.push(census);
+            }
+        }
+    }
     drop(db);
     data_dir::wait_until_released(dir, data_dir::RELEASE_WAIT_DEFAULT)?;
+    let on_disk_bytes =
+        data_dir::bytes_on_disk(dir).map_err(|source| CensusError::Size { path: dir.display().to_string(), source })?;
     Ok(StoreCensus { on_disk_bytes, trees })
 }
 
@@ -164,20 +195,26 @@ mod tests {
             for seq in 0u64..5 {
                 log.insert(seq.to_be_bytes(), vec![7u8; 100]).unwrap();
             }
-            let checkpoint = db.open_tree(crate::checkpoint::EMBEDDED_CHECKPOINT_TREE).unwrap();
+            drop(log);
+            data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
+            let store = crate::checkpoint::CheckpointDb::open(dir.path(), CENSUS_CACHE_BYTES).unwrap();
+            let checkpoint =
+                crate::checkpoint::CheckpointStore::open(&store, crate::checkpoint::EMBEDDED_CHECKPOINT_TREE)
+                    .unwrap()
+                    .stored()
+                    .clone();
             checkpoint.insert([STATE_PREFIX, identities, 1], vec![0u8; 10]).unwrap();
             checkpoint.insert([STATE_PREFIX, identities, 2], vec![0u8; 20]).unwrap();
             checkpoint.insert([STATE_PREFIX, rows | slot_page::PAGE_TAG_BIT, 1], vec![0u8; 30]).unwrap();
             checkpoint.insert([ANALYTICS_PREFIX, 1], vec![0u8; 4]).unwrap();
             checkpoint.insert(crate::checkpoint::FOLD_VERSION_KEY, vec![0u8; 4]).unwrap();
-            drop((log, checkpoint));
-            data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
+            store.persist().unwrap();
         }
         let census = census(dir.path()).unwrap();
         let log = census.trees.iter().find(|tree| tree.name == "log").expect("the log tree");
         assert_eq!(log.total, Tally { entries: 5, bytes: 5 * (8 + 100) });
         assert!(log.groups.is_empty());
-        let checkpoint = census.trees.iter().find(|tree| tree.name.ends_with("embedded")).expect("the checkpoint tree");
+        let checkpoint = census.trees.iter().find(|tree| tree.name.ends_with("embedded")).expect("the checkpoint");
         assert_eq!(checkpoint.groups["identities"], Tally { entries: 2, bytes: 3 + 10 + 3 + 20 });
         assert_eq!(checkpoint.groups["journal_rows (pages)"], Tally { entries: 1, bytes: 3 + 30 });
         assert_eq!(checkpoint.groups["analytics"], Tally { entries: 1, bytes: 2 + 4 });

@@ -194,14 +194,17 @@ pub struct RunnerSettings {
     /// (`anima_engine::data_dir::open`).
     #[serde(default = "default_sled_cache_mib")]
     pub sled_cache_mib: u64,
+    /// Memory for the checkpoint store's block cache, MiB (`anima_engine::checkpoint`).
+    #[serde(default = "default_checkpoint_cache_mib")]
+    pub checkpoint_cache_mib: u64,
     /// Bodies of recent journal rows kept in memory for rendering, MiB; older ones are read from
     /// the log.
     #[serde(default = "default_body_cache_mib")]
     pub body_cache_mib: u64,
-    /// The one bound on what the engine keeps in memory, MiB: sled's cache, the body cache and
-    /// the fold's state together, with a quarter left for everything else (requests, buffers,
-    /// the allocator's slack). The fold's state gets what the two caches leave of the other
-    /// three quarters; beyond it, journal rows and message identities of idle surfaces leave
+    /// The one bound on what the engine keeps in memory, MiB: sled's cache, the checkpoint
+    /// store's cache, the body cache and the fold's state together, with a quarter left for
+    /// everything else (requests, buffers, the checkpoint store's write buffer, the allocator's
+    /// slack). The fold's state gets what the three caches leave of the other three quarters; beyond it, journal rows and message identities of idle surfaces leave
     /// memory and are read back from the checkpoint when needed.
     #[serde(default = "default_memory_budget_mib")]
     pub memory_budget_mib: u64,
@@ -216,7 +219,12 @@ pub struct RunnerSettings {
 impl RunnerSettings {
     /// What the fold's state may take, bytes (see `memory_budget_mib`).
     pub fn state_bytes_max(&self) -> u64 {
-        (self.memory_budget_mib * 3 / 4).saturating_sub(self.sled_cache_mib + self.body_cache_mib) * 1024 * 1024
+        (self.memory_budget_mib * 3 / 4).saturating_sub(self.caches_mib()) * 1024 * 1024
+    }
+
+    /// The caches the budget holds beside the fold's state, MiB.
+    pub fn caches_mib(&self) -> u64 {
+        self.sled_cache_mib + self.checkpoint_cache_mib + self.body_cache_mib
     }
 }
 
@@ -227,6 +235,7 @@ impl Default for RunnerSettings {
             checkpoint_interval_ms: default_checkpoint_interval_ms(),
             verdict_wait_ms: default_verdict_wait_ms(),
             sled_cache_mib: default_sled_cache_mib(),
+            checkpoint_cache_mib: default_checkpoint_cache_mib(),
             body_cache_mib: default_body_cache_mib(),
             memory_budget_mib: default_memory_budget_mib(),
             transparent_huge_pages: false,
@@ -269,6 +278,9 @@ fn default_recovery_tick_seconds() -> u64 {
 }
 fn default_sled_cache_mib() -> u64 {
     anima_engine::data_dir::SLED_CACHE_BYTES_DEFAULT / (1024 * 1024)
+}
+fn default_checkpoint_cache_mib() -> u64 {
+    anima_engine::checkpoint::CHECKPOINT_CACHE_BYTES_DEFAULT / (1024 * 1024)
 }
 fn default_body_cache_mib() -> u64 {
     64
@@ -321,6 +333,7 @@ impl Config {
             ("wakes.claim_lease_seconds", self.wakes.claim_lease_seconds, 1, CLAIM_LEASE_SECONDS_MAX),
             ("wakes.recovery_tick_seconds", self.wakes.recovery_tick_seconds, 1, RECOVERY_TICK_SECONDS_MAX),
             ("runner.sled_cache_mib", self.runner.sled_cache_mib, 1, CACHE_MIB_MAX),
+            ("runner.checkpoint_cache_mib", self.runner.checkpoint_cache_mib, 1, CACHE_MIB_MAX),
             ("runner.body_cache_mib", self.runner.body_cache_mib, 1, CACHE_MIB_MAX),
             ("runner.memory_budget_mib", self.runner.memory_budget_mib, 64, CACHE_MIB_MAX),
         ];
@@ -329,11 +342,12 @@ impl Config {
                 bail!("{key}: expected {min}..={max}, got {value}");
             }
         }
-        let caches = self.runner.sled_cache_mib + self.runner.body_cache_mib;
+        let caches = self.runner.caches_mib();
         if caches * 2 > self.runner.memory_budget_mib {
             bail!(
                 "runner.memory_budget_mib: {} MiB leaves too little for the fold's state beside \
-                 sled_cache_mib + body_cache_mib = {caches} MiB (the caches may take at most half)",
+                 sled_cache_mib + checkpoint_cache_mib + body_cache_mib = {caches} MiB (the caches may \
+                 take at most half)",
                 self.runner.memory_budget_mib
             );
         }

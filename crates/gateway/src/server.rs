@@ -272,6 +272,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         ..RunnerConfig::default()
     };
     instance_config.sled_cache_bytes = config.runner.sled_cache_mib * 1024 * 1024;
+    instance_config.checkpoint_cache_bytes = config.runner.checkpoint_cache_mib * 1024 * 1024;
     instance_config.recovery_interval = Duration::from_secs(config.wakes.recovery_tick_seconds);
     instance_config.engine = EngineConfig {
         verdict_wait: Duration::from_millis(config.runner.verdict_wait_ms),

@@ -72,7 +72,7 @@ use crate::subject::{SubjectEncoding, SubjectPrefix, Subjects};
 
 use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, LogResult, StoredRecord, SubjectFilter};
 
-/// Name of the sled tree holding the log; the same `Db` may hold other trees (checkpoints).
+/// Name of the sled tree holding the log; the same `Db` holds its other trees (`log-redo`).
 const TREE_NAME: &str = "log";
 /// The tree of the redo record of the group commit being written.
 const REDO_TREE_NAME: &str = "log-redo";

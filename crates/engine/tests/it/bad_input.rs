@@ -35,8 +35,8 @@ async fn fixture() -> Fixture {
     let db = sled::Config::new().path(log_dir.path()).open().expect("sled");
     let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).expect("log"));
     let checkpoint_dir = tempfile::tempdir().expect("tempdir");
-    let db = sled::Config::new().path(checkpoint_dir.path()).open().expect("sled");
-    let checkpoints = CheckpointStore::open(db, "checkpoint").expect("checkpoints");
+    let db = anima_engine::checkpoint::CheckpointDb::open(checkpoint_dir.path(), 16 * 1024 * 1024).expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("checkpoints");
     let shutdown = CancellationToken::new();
     let runner =
         Runner::start(log.clone(), checkpoints, RunnerConfig::default(), shutdown.clone()).await.expect("runner");

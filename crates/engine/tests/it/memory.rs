@@ -41,8 +41,8 @@ async fn fleet(clock: Arc<ManualClock>) -> Fleet {
     let mut dirs = vec![log_dir];
     for _ in 0..2 {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = sled::Config::new().path(dir.path()).open().expect("sled");
-        let checkpoints = CheckpointStore::open(db, "checkpoint").expect("checkpoints");
+        let db = anima_engine::checkpoint::CheckpointDb::open(dir.path(), 16 * 1024 * 1024).expect("store");
+        let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("checkpoints");
         let runner =
             Runner::start(log.clone(), checkpoints, RunnerConfig::default(), shutdown.clone()).await.expect("runner");
         engines.push(Engine::new(log.clone(), runner.projection, EngineConfig::default()));

@@ -387,6 +387,35 @@ async fn start_instance(dir: &std::path::Path) -> Instance {
     Instance::start(InstanceConfig::new(dir, Backend::Embedded(EmbeddedConfig::default()))).await.unwrap()
 }
 
+/// A data dir an earlier version wrote keeps its checkpoints in the sled database of the log.
+/// The first start drops them and serves the state a fold of the log gives; nothing of them is
+/// left in sled.
+#[tokio::test]
+async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let instance = start_instance(dir.path()).await;
+    incident(instance.engine.log().as_ref()).await;
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+    {
+        let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
+        let old = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
+        old.insert([STATE_PREFIX, 0], &[0xff; 16][..]).unwrap();
+        old.insert(b"m:fold_version", &[0, 0, 0, 1][..]).unwrap();
+        drop(old);
+        data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
+    }
+    let instance = start_instance(dir.path()).await;
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
+    assert_eq!(instance.engine.projection().state().canonical_bytes(), live);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+    let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
+    let names: Vec<_> = db.tree_names().iter().map(|name| String::from_utf8_lossy(name).into_owned()).collect();
+    assert!(!names.iter().any(|name| name.starts_with("checkpoint")), "{names:?}");
+    data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
+}
+
 #[tokio::test]
 async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     let dir = tempfile::tempdir().unwrap();
@@ -432,17 +461,19 @@ async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
 
     // Tamper with ada's cursor on the DM in the checkpoint ((surface, agent) → cursor).
     {
-        let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
-        let tree = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
+        let db = anima_engine::checkpoint::CheckpointDb::open(dir.path(), 16 * 1024 * 1024).unwrap();
+        let tree = db.existing(EMBEDDED_CHECKPOINT_TREE).unwrap().expect("the checkpoint");
         let cursors_tag = 43u8;
-        let cursors: Vec<_> = tree.scan_prefix([STATE_PREFIX, cursors_tag]).map(Result::unwrap).collect();
+        let cursors: Vec<_> =
+            tree.prefix([STATE_PREFIX, cursors_tag]).map(|entry| entry.into_inner().unwrap()).collect();
         assert_eq!(cursors.len(), 1, "ada's cursor on the DM is the only one: {cursors:?}");
         let (key, cursor) = &cursors[0];
         let (_, _): (SurfaceKey, AgentKey) = postcard::from_bytes(&key[2..]).unwrap();
         let cursor: u64 = postcard::from_bytes(cursor).unwrap();
-        tree.insert(key, postcard::to_stdvec(&(cursor + 1)).unwrap()).unwrap();
-        drop(tree);
-        data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
+        tree.insert(key.clone(), postcard::to_stdvec(&(cursor + 1)).unwrap()).unwrap();
+        db.persist().unwrap();
+        drop((tree, db));
+        data_dir::wait_until_released(dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
     }
     let source = DirectSource::open_data_dir(dir.path()).unwrap();
     let report = source.verify(ReplayConfig::default()).await.unwrap();

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anima_engine::checkpoint::{CheckpointError, CheckpointStore, FOLD_VERSION_KEY, STREAM_KEY};
+use anima_engine::checkpoint::{CheckpointDb, CheckpointError, CheckpointStore, FOLD_VERSION_KEY, STREAM_KEY};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::{AppendRecord, EventLog};
 use anima_engine::{Runner, RunnerConfig};
@@ -117,15 +117,16 @@ async fn stops_on_its_own(runner: Runner) -> anima_engine::projection::RunnerErr
     ended.expect_err("the runner reports why it stopped")
 }
 
-fn open(dir: &std::path::Path) -> (Arc<dyn EventLog>, sled::Db) {
+/// The embedded log of the data dir `dir` and its checkpoint store.
+fn open(dir: &std::path::Path) -> (Arc<dyn EventLog>, CheckpointDb) {
     let db = sled::open(dir).expect("sled");
-    let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("log"));
-    (log, db)
+    let log: Arc<dyn EventLog> = Arc::new(EmbeddedLog::open(db, EmbeddedConfig::default()).expect("log"));
+    (log, CheckpointDb::open(dir, 16 * 1024 * 1024).expect("checkpoint store"))
 }
 
 /// The checkpoint store of `db`, restored as a runner's start restores it (taking its epoch).
-async fn restored_store(db: &sled::Db, identity: &str) -> CheckpointStore {
-    let store = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+async fn restored_store(db: &CheckpointDb, identity: &str) -> CheckpointStore {
+    let store = CheckpointStore::open(db, "checkpoint").expect("store");
     store.restore(identity).await.expect("restore");
     store
 }
@@ -135,7 +136,7 @@ async fn resumes_from_its_checkpoint_with_the_state_a_rebuild_gives() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     log.append_batch(events(300, "a")).await.expect("append");
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let (first, restored_at) = run_to_end(log.clone(), checkpoints.clone()).await;
     assert_eq!(restored_at, 0);
     assert_eq!(first, fresh_fold(&log).await, "the runner's fold equals a fresh fold of the raw log");
@@ -155,11 +156,11 @@ async fn discards_a_checkpoint_of_another_fold_version_or_stream() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     log.append_batch(events(50, "a")).await.expect("append");
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let (expected, _) = run_to_end(log.clone(), checkpoints.clone()).await;
 
     // Another fold version wrote it: rebuilt from seq 0, same result.
-    let tree = db.open_tree("checkpoint").expect("tree");
+    let tree = checkpoints.stored().clone();
     tree.insert(FOLD_VERSION_KEY, &999u32.to_be_bytes()[..]).expect("insert");
     let (rebuilt, restored_at) = run_to_end(log.clone(), checkpoints.clone()).await;
     assert_eq!(restored_at, 0, "a checkpoint of another fold version is not used");
@@ -176,10 +177,9 @@ async fn discards_a_checkpoint_of_another_fold_version_or_stream() {
     let (_, restored_at) = run_to_end(log.clone(), checkpoints.clone()).await;
     assert!(restored_at > 0, "the checkpoint the rebuild wrote is used");
     let last_hot = tree
-        .scan_prefix([anima_engine::checkpoint::STATE_PREFIX])
-        .keys()
+        .prefix([anima_engine::checkpoint::STATE_PREFIX])
         .rev()
-        .map(|key| key.expect("key"))
+        .map(|entry| entry.key().expect("key"))
         .find(|key| !State::is_cold_tag(key[1]))
         .expect("a hot entry");
     tree.insert(last_hot, &[0xff; 16][..]).expect("insert");
@@ -200,7 +200,7 @@ async fn discards_a_checkpoint_of_another_fold_version_or_stream() {
 async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let shutdown = CancellationToken::new();
     let runner = Runner::start(log.clone(), checkpoints.clone(), config(), shutdown.clone()).await.expect("runner");
     log.append_batch(events(10, "a")).await.expect("append");
@@ -222,34 +222,58 @@ async fn a_failed_checkpoint_write_stops_the_runner_and_waiters_learn_why() {
     drop(db);
 }
 
-/// A crash in the middle of a checkpoint (its redo record and a few of its entries landed, the
-/// rest not) leaves a checkpoint that the next start completes from the redo record: it resumes
-/// from the torn checkpoint's seq, not from the one before and not from zero, and reaches the
-/// state a fresh fold of the log gives.
+/// A crash in the middle of writing a checkpoint (the end of its write batch never reached the
+/// disk) leaves the checkpoint before it, whole: the next start resumes from that one, not from
+/// the torn one and not from zero, and reaches the state a fresh fold of the log gives. The
+/// crash is made on disk: the checkpoint store's journal is cut inside its last batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_checkpoint_torn_by_a_crash_is_completed_at_the_next_start() {
+async fn a_checkpoint_torn_by_a_crash_leaves_the_one_before_it_whole() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     log.append_batch(events(300, "a")).await.expect("append");
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     run_to_end(log.clone(), checkpoints.clone()).await;
     let whole = checkpoints.checkpointed_seq().expect("seq");
-
-    // The next runner's first checkpoint lands its redo record and two entries, then "crashes".
+    // The next run's checkpoints, the last of them written when it stops.
     log.append_batch(events(200, "b")).await.expect("append");
-    let torn = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
-    torn.inject_torn_write(2);
-    let runner = Runner::start(log.clone(), torn.clone(), config(), CancellationToken::new()).await.expect("runner");
-    assert!(stops_on_its_own(runner).await.to_string().contains("injected"));
-    let tree = db.open_tree("checkpoint").expect("tree");
-    assert!(tree.get(anima_engine::checkpoint::PENDING_KEY).expect("get").is_some(), "the store is torn");
+    run_to_end(log.clone(), checkpoints.clone()).await;
+    let last = checkpoints.checkpointed_seq().expect("seq");
+    assert!(last > whole, "{last} after {whole}");
+    // The store lets go of its files when its last handle is dropped.
+    drop((checkpoints, db));
 
-    let after = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    // The crash: the newest journal loses the last bytes of its last batch. (A journal file is
+    // made long before it is written: what follows its last batch is zeros.)
+    let journal = newest_journal(dir.path());
+    let bytes = std::fs::read(&journal).expect("journal");
+    let end = bytes.iter().rposition(|&b| b != 0).expect("a written journal") + 1;
+    std::fs::OpenOptions::new().write(true).open(&journal).expect("journal").set_len(end as u64 - 5).expect("cut");
+
+    let db = CheckpointDb::open(dir.path(), 16 * 1024 * 1024).expect("reopen");
+    let after = CheckpointStore::open(&db, "checkpoint").expect("store");
+    let restored = after.checkpointed_seq().expect("seq");
+    assert!(restored < last, "the torn checkpoint ({last}) is gone whole: restored {restored}");
+    assert!(restored >= whole, "the ones before it are kept: restored {restored}, {whole} was written before");
     let (resumed, restored_at) = run_to_end(log.clone(), after).await;
-    assert!(restored_at > whole, "resumed from the torn checkpoint ({restored_at}), after {whole}");
-    assert_eq!(resumed, fresh_fold(&log).await, "the completed checkpoint is exact");
-    assert!(tree.get(anima_engine::checkpoint::PENDING_KEY).expect("get").is_none(), "completed");
-    drop(db);
+    assert_eq!(restored_at, restored);
+    assert_eq!(resumed, fresh_fold(&log).await, "the checkpoint restored is exact");
+}
+
+/// The checkpoint store's journal file written last (the highest-numbered `N.jnl` under it).
+fn newest_journal(data_dir: &std::path::Path) -> std::path::PathBuf {
+    fn walk(dir: &std::path::Path, found: &mut Vec<(u64, std::path::PathBuf)>) {
+        for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if let Some(n) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".jnl")) {
+                found.push((n.parse().expect("a journal number"), path));
+            }
+        }
+    }
+    let mut found = Vec::new();
+    walk(&data_dir.join(anima_engine::checkpoint::CHECKPOINT_DIR), &mut found);
+    found.into_iter().max().expect("a journal").1
 }
 
 /// A runner that was replaced cannot write over its successor: once another runner restored the
@@ -389,7 +413,7 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
     let records = fleet_events(12, 6_000, 7);
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let tiny = RunnerConfig { checkpoint_every_events: 25, state_bytes_max: 0, ..config() };
     let shutdown = CancellationToken::new();
     let runner = Runner::start(log.clone(), checkpoints.clone(), tiny.clone(), shutdown.clone()).await.expect("runner");
@@ -447,7 +471,7 @@ async fn a_restart_leaves_queued_wakes_in_the_checkpoint_until_the_fold_needs_th
     let records = fleet_events(12, 6_000, 11);
     let (before, after) = records.split_at(3_000);
     log.append_batch(before.to_vec()).await.expect("append");
-    let checkpoints = CheckpointStore::open(db.clone(), "checkpoint").expect("store");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let (_, _) = run_to_end(log.clone(), checkpoints.clone()).await;
     let restart_at = log.last_seq().await.expect("last");
     let mut reference = State::new();
@@ -551,7 +575,7 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
     }
     store.write(&identity, second, vec![], true).await.expect("second checkpoint");
 
-    let cold = anima_engine::checkpoint::SledCold::new(&store);
+    let cold = anima_engine::checkpoint::StoredCold::new(&store);
     for (key, value) in &model {
         assert_eq!(cold.get(key).expect("get").as_ref(), Some(value), "{key:?}");
     }
@@ -574,7 +598,7 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
         assert_eq!(scanned.len(), expected.len(), "{prefix:?}");
         assert!(scanned == expected, "the scan of {prefix:?} gives back the entries written, in key order");
     }
-    let tree = db.open_tree("checkpoint").expect("tree");
-    assert!(tree.len() * 4 < model.len(), "{} stored entries for {} state entries", tree.len(), model.len());
+    let stored = store.stored().len().expect("len");
+    assert!(stored * 4 < model.len(), "{stored} stored entries for {} state entries", model.len());
     drop(db);
 }

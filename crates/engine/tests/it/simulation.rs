@@ -44,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anima_engine::checkpoint::CheckpointStore;
+use anima_engine::checkpoint::{CheckpointDb, CheckpointStore};
 use anima_engine::clock::{Clock, ManualClock};
 use anima_engine::command::{ChatObservation, CommandError, LinearObservation, SlackObservation};
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
@@ -78,6 +78,8 @@ static LOCK_RETRIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 
 /// The checkpoint key of the fold's meta entry (applied seq): the state prefix, then table 0.
 const META_ENTRY_KEY: [u8; 2] = [anima_engine::checkpoint::STATE_PREFIX, 0];
+/// A stored meta entry (its bytes).
+type MetaEntry = Vec<u8>;
 
 const MINUTE_NS: i64 = 60 * 1_000_000_000;
 const DAY_NS: i64 = 24 * 60 * MINUTE_NS;
@@ -351,7 +353,7 @@ struct Sim {
     clock: Arc<ManualClock>,
     log: Option<Arc<dyn EventLog>>,
     /// Each node's own sled database (its checkpoints).
-    node_dbs: Vec<Option<sled::Db>>,
+    node_dbs: Vec<Option<CheckpointDb>>,
     nodes: Vec<Option<Node>>,
     held: BTreeMap<usize, Held>,
     workers_started: u64,
@@ -374,7 +376,7 @@ struct Sim {
     /// Sim time of the last appended heartbeat per (node, agent, item).
     heartbeats_appended: BTreeMap<(usize, String, String), i64>,
     /// Per node: the meta entries of its newest two checkpoints (older, newer).
-    checkpoint_metas: BTreeMap<usize, (Option<sled::IVec>, Option<sled::IVec>)>,
+    checkpoint_metas: BTreeMap<usize, (Option<MetaEntry>, Option<MetaEntry>)>,
     /// The step was a recovery tick: no running wake may outlive its heartbeat window after it.
     recovery_ticked: bool,
     findings: Findings,
@@ -522,11 +524,26 @@ impl Sim {
         }
     }
 
+    /// Opens the checkpoint store in `name` under the data dir, waiting for the lock a dropped
+    /// handle still holds (a checkpoint write the dead node left in flight).
+    fn open_checkpoints(&self, name: &str) -> SimResult<CheckpointDb> {
+        let deadline = Instant::now() + LOCK_WAIT;
+        loop {
+            match CheckpointDb::open(&self.dir.path().join(name), 2 * 1024 * 1024) {
+                Ok(db) => return Ok(db),
+                Err(e) if Instant::now() < deadline && e.to_string().contains("lock") => {
+                    LOCK_RETRIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(format!("reopening the checkpoints of {name}: {e}")),
+            }
+        }
+    }
+
     /// Opens the log and starts every node. Node 0 is the process that holds the embedded log:
     /// its checkpoints live in the log's data dir, as with `Instance::start`.
     async fn start_process(&mut self) -> SimResult<()> {
         let db = self.open_db("node-0")?;
-        self.node_dbs[0] = Some(db.clone());
         let config = EmbeddedConfig { clock: self.clock.clone(), ..EmbeddedConfig::default() };
         let log: Arc<dyn EventLog> =
             Arc::new(EmbeddedLog::open(db, config).map_err(|e| format!("opening the log: {e}"))?);
@@ -537,7 +554,7 @@ impl Sim {
         Ok(())
     }
 
-    /// Starts a node from its own data dir (its checkpoints). A node's sled database is its
+    /// Starts a node from its own data dir (its checkpoints). A node's checkpoint store is its
     /// own, as a process's data dir is: reopening it after a crash waits until every handle of
     /// the dead node is gone, a checkpoint write it left in flight included.
     /// `CheckpointStore::write` runs on the blocking pool and finishes even when its caller was
@@ -548,12 +565,12 @@ impl Sim {
         let db = match &self.node_dbs[node] {
             Some(db) => db.clone(),
             None => {
-                let db = self.open_db(&format!("node-{node}"))?;
+                let db = self.open_checkpoints(&format!("node-{node}"))?;
                 self.node_dbs[node] = Some(db.clone());
                 db
             }
         };
-        let checkpoints = CheckpointStore::open(db, "checkpoint").map_err(|e| format!("checkpoints: {e}"))?;
+        let checkpoints = CheckpointStore::open(&db, "checkpoint").map_err(|e| format!("checkpoints: {e}"))?;
         let runner_config = RunnerConfig {
             checkpoint_every_events: self.scenario.checkpoint_every_events,
             // Checkpoints follow the event count, not the wall clock.
@@ -574,15 +591,18 @@ impl Sim {
         Ok(())
     }
 
-    fn checkpoint_tree(&self, node: usize) -> SimResult<sled::Tree> {
+    fn checkpoint_tree(&self, node: usize) -> SimResult<fjall::Keyspace> {
         let db = self.node_dbs[node].as_ref().expect("open");
-        db.open_tree("checkpoint").map_err(|e| format!("checkpoint tree: {e}"))
+        CheckpointStore::open(db, "checkpoint")
+            .map(|store| store.stored().clone())
+            .map_err(|e| format!("checkpoint: {e}"))
     }
 
     /// Remembers the meta entries of each node's two newest checkpoints, for tearing.
     fn note_checkpoint_metas(&mut self) -> SimResult<()> {
         for node in 0..self.nodes.len() {
-            let meta = self.checkpoint_tree(node)?.get(META_ENTRY_KEY).map_err(|e| format!("meta: {e}"))?;
+            let meta =
+                self.checkpoint_tree(node)?.get(META_ENTRY_KEY).map_err(|e| format!("meta: {e}"))?.map(|v| v.to_vec());
             let entry = self.checkpoint_metas.entry(node).or_default();
             if meta.is_some() && entry.1 != meta {
                 *entry = (entry.1.take(), meta);
@@ -906,7 +926,8 @@ impl Sim {
                 if let Some((Some(older), _)) = self.checkpoint_metas.get(node) {
                     let tree = self.checkpoint_tree(*node)?;
                     tree.insert(META_ENTRY_KEY, older.clone()).map_err(|e| format!("tearing: {e}"))?;
-                    tree.flush().map_err(|e| format!("tearing: {e}"))?;
+                    let db = self.node_dbs[*node].as_ref().expect("open");
+                    db.persist().map_err(|e| format!("tearing: {e}"))?;
                 }
                 self.start_node(*node).await?;
             }
