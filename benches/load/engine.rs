@@ -205,7 +205,7 @@ pub struct FoldProbe {
     /// The fold state's own estimate of its memory and its budget, bytes.
     pub state_estimate_bytes: u64,
     pub state_budget_bytes: u64,
-    /// The engine's data dir on disk (sled's files), bytes.
+    /// The engine's data dir on disk (both stores' files), bytes.
     pub data_dir_bytes: u64,
 }
 

@@ -669,8 +669,8 @@ impl Report {
             if let (Some(&(t0, first)), Some(&(t1, last))) = (on_disk.first(), on_disk.last()) {
                 const MIB: f64 = 1024.0 * 1024.0;
                 out.push_str(&format!(
-                    "data dir (sled's files, anima_data_dir_bytes): first {:.0} MiB, last {:.0} MiB, {:.1} MiB/s \
-                     (`anima-wake compact` gives it back offline)\n",
+                    "data dir (both stores' files, anima_data_dir_bytes): first {:.0} MiB, last {:.0} MiB, \
+                     {:.1} MiB/s\n",
                     first as f64 / MIB,
                     last as f64 / MIB,
                     (last as f64 - first as f64) / MIB / (t1 - t0).max(0.001)

@@ -165,11 +165,6 @@ impl CheckpointDb {
     pub fn persist(&self) -> Result<(), CheckpointError> {
         Ok(self.db.persist(fjall::PersistMode::SyncAll)?)
     }
-
-    /// The store's size on disk.
-    pub fn disk_bytes(&self) -> Result<u64, CheckpointError> {
-        Ok(self.db.disk_space()?)
-    }
 }
 
 /// One projection checkpoint in a data dir's checkpoint store.

@@ -10,9 +10,10 @@
 //!   the memory it takes (as of the runner's last look: at start and after each landed
 //!   checkpoint) and the share of `memory_budget_mib` it is held to. Set beside the process's
 //!   RSS, they tell what of it the fold holds.
-//! * `anima_data_dir_bytes` — the data dir's sled files on disk, read at scrape time: sled's file
-//!   grows far past what it holds under heavy traffic, and `anima-wake compact` gives the disk
-//!   back offline (README, "What a data dir holds").
+//! * `anima_data_dir_bytes` — the data dir's files on disk (the embedded log's sled files and
+//!   the checkpoint store's), read at scrape time: sled's file grows far past what it holds under
+//!   heavy traffic, and `anima-wake compact` gives the disk back offline (README, "What a data
+//!   dir holds").
 //! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
 //!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
 //!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
@@ -189,7 +190,7 @@ impl Metrics {
         let data_dir_bytes = Gauge::default();
         registry.register(
             "anima_data_dir_bytes",
-            "The data dir's sled files on disk (the checkpoints, and the embedded log when it is the backend), read at scrape time",
+            "The data dir's files on disk (the checkpoint store, and the embedded log when it is the backend), read at scrape time",
             data_dir_bytes.clone(),
         );
         let refused = Family::<RefusedLabels, Counter>::default();
