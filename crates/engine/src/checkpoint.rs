@@ -10,7 +10,7 @@
 //! of its file only after rewriting what is still live in it, so the file held about 5% live
 //! data and only `anima-wake compact` gave the rest back, offline. fjall appends a checkpoint to
 //! its journal, flushes memtables into sorted tables and merges them in the background: the same
-//! run's checkpoint store ended at 265 MiB (0.7 MiB/s). Its writes also no longer take sled's
+//! load against this store ended at 265 MiB (0.7 MiB/s). Its writes also no longer take sled's
 //! process-wide lock, which every append of the embedded log takes too.
 //!
 //! A checkpoint is all or nothing: its entries, the fold version and the stream identity are one
@@ -55,11 +55,11 @@ pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
 /// checkpoint store".
 const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
 /// The size of the sorted tables that merges write (fjall's default is 64 MiB). A table is
-/// synced to disk when it is written, and with the embedded log on the same disk, each sync of
-/// a large table held up the log's group-commit syncs behind it. Under `anima-load` (embedded,
-/// 300 s), the calls that took 100 ms or more fell from 2,715 (64 MiB tables) to 201 (8 MiB),
-/// and a variant that merged four times less often but as much each time (16 tables waiting
-/// instead of 4) had 3,868 (README, "The checkpoint store").
+/// synced to disk when it is written, on the disk the embedded log's group commits sync to.
+/// Under `anima-load` (embedded, 300 s, one run each) the calls that took 100 ms or more fell
+/// from 2,715 with 64 MiB tables to 201 with 8 MiB, and a variant that merged four times less
+/// often but as much each time (16 tables waiting instead of 4) had 3,868 (README, "The
+/// checkpoint store"). That the syncs are what the slow calls wait on is a reading, not traced.
 const TABLE_BYTES: u64 = 8 * 1024 * 1024;
 /// The checkpoint store's cache of its tables' blocks when nothing else is configured.
 pub const CHECKPOINT_CACHE_BYTES_DEFAULT: u64 = 64 * 1024 * 1024;
