@@ -143,7 +143,9 @@ impl CheckpointDb {
         self.keyspace(name).map(Some)
     }
 
-    fn keyspace(&self, name: &str) -> Result<fjall::Keyspace, CheckpointError> {
+    /// The checkpoint `name` as it is stored, created empty when the store has none of that
+    /// name (the copy of `compact`, tests).
+    pub fn keyspace(&self, name: &str) -> Result<fjall::Keyspace, CheckpointError> {
         if name.is_empty() || name.len() > usize::from(u8::MAX) {
             return Err(CheckpointError::Name(name.chars().take(64).collect()));
         }
@@ -265,7 +267,7 @@ impl CheckpointStore {
                     let mut entries = Vec::new();
                     for entry in tree.prefix([STATE_PREFIX, tag]) {
                         let (key, value) = entry.into_inner()?;
-                        entries.push((key[1..].to_vec(), value.to_vec()));
+                        entries.push((StateKey(key), value));
                     }
                     if !entries.is_empty() {
                         loaded
@@ -441,6 +443,16 @@ impl anima_projections::cold::ColdStore for StoredCold {
             out.push((key[1..].to_vec(), value.to_vec()));
         }
         Ok(out)
+    }
+}
+
+/// A stored state entry's key seen as the state's own key (without [`STATE_PREFIX`]), so a
+/// restore hands the store's bytes to the state without copying them.
+struct StateKey(fjall::Slice);
+
+impl AsRef<[u8]> for StateKey {
+    fn as_ref(&self) -> &[u8] {
+        self.0.get(1..).unwrap_or_default()
     }
 }
 

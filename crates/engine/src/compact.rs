@@ -168,7 +168,7 @@ fn copy_checkpoints(
     partial: &Path,
     progress: &mut impl FnMut(&str, u64),
 ) -> Result<Vec<(String, Tally)>, CompactError> {
-    use crate::checkpoint::{CheckpointDb, CheckpointStore};
+    use crate::checkpoint::CheckpointDb;
     use sha2::Digest as _;
     if !CheckpointDb::exists(from) {
         return Ok(Vec::new());
@@ -183,7 +183,7 @@ fn copy_checkpoints(
     let mut trees = Vec::new();
     for name in source.names() {
         let Some(from_tree) = source.existing(&name).map_err(|e| reading(&e))? else { continue };
-        let into_tree = CheckpointStore::open(&target, &name).map_err(|e| writing(&e))?.stored().clone();
+        let into_tree = target.keyspace(&name).map_err(|e| writing(&e))?;
         let mut tally = Tally::default();
         let mut digest = sha2::Sha256::new();
         for entry in from_tree.iter() {
@@ -279,7 +279,7 @@ mod tests {
         drop(tree);
         data_dir::close(db, dir, data_dir::RELEASE_WAIT_DEFAULT).unwrap();
         let store = crate::checkpoint::CheckpointDb::open(dir, COPY_CACHE_BYTES).unwrap();
-        let tree = crate::checkpoint::CheckpointStore::open(&store, "checkpoint-embedded").unwrap().stored().clone();
+        let tree = store.keyspace("checkpoint-embedded").unwrap();
         churn(&mut |i, value| tree.insert(i.to_be_bytes(), value).unwrap(), &mut |i| {
             tree.remove(i.to_be_bytes()).unwrap()
         });

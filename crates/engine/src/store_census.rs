@@ -198,11 +198,7 @@ mod tests {
             drop(log);
             data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
             let store = crate::checkpoint::CheckpointDb::open(dir.path(), CENSUS_CACHE_BYTES).unwrap();
-            let checkpoint =
-                crate::checkpoint::CheckpointStore::open(&store, crate::checkpoint::EMBEDDED_CHECKPOINT_TREE)
-                    .unwrap()
-                    .stored()
-                    .clone();
+            let checkpoint = store.keyspace(crate::checkpoint::EMBEDDED_CHECKPOINT_TREE).unwrap();
             checkpoint.insert([STATE_PREFIX, identities, 1], vec![0u8; 10]).unwrap();
             checkpoint.insert([STATE_PREFIX, identities, 2], vec![0u8; 20]).unwrap();
             checkpoint.insert([STATE_PREFIX, rows | slot_page::PAGE_TAG_BIT, 1], vec![0u8; 30]).unwrap();

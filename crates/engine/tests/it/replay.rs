@@ -387,16 +387,22 @@ async fn start_instance(dir: &std::path::Path) -> Instance {
     Instance::start(InstanceConfig::new(dir, Backend::Embedded(EmbeddedConfig::default()))).await.unwrap()
 }
 
+/// An instance on `dir` that has folded the incident, and its state's canonical bytes.
+async fn instance_after_incident(dir: &std::path::Path) -> (Instance, Vec<u8>) {
+    let instance = start_instance(dir).await;
+    incident(instance.engine.log().as_ref()).await;
+    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+    (instance, live)
+}
+
 /// A data dir an earlier version wrote keeps its checkpoints in the sled database of the log.
 /// The first start drops them and serves the state a fold of the log gives; nothing of them is
 /// left in sled.
 #[tokio::test]
 async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
     let dir = tempfile::tempdir().unwrap();
-    let instance = start_instance(dir.path()).await;
-    incident(instance.engine.log().as_ref()).await;
-    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
-    let live = instance.engine.projection().state().canonical_bytes();
+    let (instance, live) = instance_after_incident(dir.path()).await;
     instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
     {
         let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
@@ -419,10 +425,7 @@ async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
 #[tokio::test]
 async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     let dir = tempfile::tempdir().unwrap();
-    let instance = start_instance(dir.path()).await;
-    incident(instance.engine.log().as_ref()).await;
-    instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
-    let live = instance.engine.projection().state().canonical_bytes();
+    let (instance, live) = instance_after_incident(dir.path()).await;
 
     // While the instance runs, the data dir is locked.
     let locked = DirectSource::open_data_dir(dir.path()).unwrap_err();

@@ -593,9 +593,7 @@ impl Sim {
 
     fn checkpoint_tree(&self, node: usize) -> SimResult<fjall::Keyspace> {
         let db = self.node_dbs[node].as_ref().expect("open");
-        CheckpointStore::open(db, "checkpoint")
-            .map(|store| store.stored().clone())
-            .map_err(|e| format!("checkpoint: {e}"))
+        db.keyspace("checkpoint").map_err(|e| format!("checkpoint: {e}"))
     }
 
     /// Remembers the meta entries of each node's two newest checkpoints, for tearing.
