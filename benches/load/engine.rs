@@ -207,6 +207,10 @@ pub struct FoldProbe {
     pub state_budget_bytes: u64,
     /// The engine's data dir on disk (both stores' files), bytes.
     pub data_dir_bytes: u64,
+    /// The fold's reads back from the checkpoint store so far: reads, entries, seconds.
+    pub cold_reads: u64,
+    pub cold_read_entries: u64,
+    pub cold_read_seconds: f64,
 }
 
 /// One plain HTTP/1.1 `GET /metrics`, parsed for the fold's gauges.
@@ -230,6 +234,9 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
         let mut words = line.split_whitespace();
         let (Some(name), Some(value)) = (words.next(), words.next()) else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
+        if name == "anima_cold_read_seconds_total" {
+            probe.cold_read_seconds = value.max(0.0);
+        }
         let value = value.max(0.0) as u64;
         match name {
             "anima_fold_lag_events" => probe.lag_events = value,
@@ -238,6 +245,8 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
             "anima_state_estimate_bytes" => probe.state_estimate_bytes = value,
             "anima_state_budget_bytes" => probe.state_budget_bytes = value,
             "anima_data_dir_bytes" => probe.data_dir_bytes = value,
+            "anima_cold_reads_total" => probe.cold_reads = value,
+            "anima_cold_read_entries_total" => probe.cold_read_entries = value,
             _ => {}
         }
     }

@@ -28,7 +28,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use prost::Message;
 
-use crate::engine::{rss_kib, EngineProcess, LogBackend};
+use crate::engine::{rss_kib, scrape_fold, EngineProcess, LogBackend};
 
 /// Events appended per log batch while the history is written.
 const APPEND_CHUNK: usize = 5_000;
@@ -235,6 +235,14 @@ struct Measured {
     rss_after_mib: f64,
     send_p50_ms: f64,
     send_p99_ms: f64,
+    /// Sends the fold held (the surface had moved since the agent last looked: the answer shows
+    /// what was missed, read from the log), and their p50.
+    held: usize,
+    held_p50_ms: Option<f64>,
+    /// The fold state's own estimate of its memory after the sends, MiB.
+    state_after_mib: f64,
+    /// The fold's reads back from the checkpoint store during the sends: reads, entries, seconds.
+    cold: (u64, u64, f64),
 }
 
 /// Starts `anima-wake serve` on `data`, times it to serving, and measures sequential Sends.
@@ -248,6 +256,8 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     let mut sends = SendsClient::new(channel);
     let mut random = SeededRng(0x5e4d);
     let mut latencies = Vec::with_capacity(args.sends);
+    let before = scrape_fold(engine.metrics_addr).await?;
+    let mut held = Vec::new();
     for _ in 0..args.sends {
         let (agent, channel) = dm_of(random.below(args.surfaces as u64) as usize, args.agents);
         let request = api::SendRequest {
@@ -265,15 +275,39 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
             request_id: String::new(),
         };
         let sent = Instant::now();
-        sends.send(request).await.context("Sends.Send")?;
-        latencies.push(sent.elapsed().as_secs_f64() * 1e3);
+        let answer = sends.send(request).await.context("Sends.Send")?.into_inner();
+        let took_ms = sent.elapsed().as_secs_f64() * 1e3;
+        latencies.push(took_ms);
+        if matches!(answer.verdict, Some(api::send_response::Verdict::Held(_))) {
+            held.push(took_ms);
+        }
     }
     latencies.sort_by(f64::total_cmp);
+    held.sort_by(f64::total_cmp);
     let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    let held_p50_ms = held.get(held.len().saturating_sub(1) / 2).copied();
+    let held = held.len();
     let rss_after_mib = rss_kib(engine.pid).unwrap_or(0) as f64 / 1024.0;
+    let after = scrape_fold(engine.metrics_addr).await?;
+    let cold = (
+        after.cold_reads - before.cold_reads,
+        after.cold_read_entries - before.cold_read_entries,
+        after.cold_read_seconds - before.cold_read_seconds,
+    );
+    let state_after_mib = after.state_estimate_bytes as f64 / (1024.0 * 1024.0);
     let (send_p50_ms, send_p99_ms) = (at(0.5), at(0.99));
     engine.stop().await?;
-    Ok(Measured { start, rss_started_mib, rss_after_mib, send_p50_ms, send_p99_ms })
+    Ok(Measured {
+        start,
+        rss_started_mib,
+        rss_after_mib,
+        send_p50_ms,
+        send_p99_ms,
+        held,
+        held_p50_ms,
+        state_after_mib,
+        cold,
+    })
 }
 
 #[tokio::main]
@@ -321,6 +355,18 @@ async fn main() -> anyhow::Result<()> {
             m.rss_after_mib,
             m.send_p50_ms,
             m.send_p99_ms
+        );
+        let (reads, entries, seconds) = m.cold;
+        let per_send = |n: f64| n / args.sends as f64;
+        println!(
+            "{:>20}  {} of the sends held{}; fold state {:.0} MiB by its estimate; per Send {:.1} reads back from the checkpoint store ({:.1} entries, {:.0} µs)",
+            "",
+            m.held,
+            m.held_p50_ms.map(|p50| format!(" (their p50 {p50:.2} ms)")).unwrap_or_default(),
+            m.state_after_mib,
+            per_send(reads as f64),
+            per_send(entries as f64),
+            per_send(seconds * 1e6)
         );
     }
     println!(

@@ -24,6 +24,10 @@
 //! (`anima_projections::slot_page`): a checkpoint reads each changed page, patches it and writes
 //! it back once, and reads give the entries back one by one.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
 use anima_projections::slot_page;
 use anima_projections::state::{State, FOLD_VERSION};
 
@@ -150,9 +154,9 @@ impl CheckpointDb {
             return Err(CheckpointError::Name(name.chars().take(64).collect()));
         }
         Ok(self.db.keyspace(name, || {
-            fjall::KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES).compaction_strategy(
-                std::sync::Arc::new(fjall::compaction::Leveled::default().with_table_target_size(TABLE_BYTES)),
-            )
+            fjall::KeyspaceCreateOptions::default().max_memtable_size(MEMTABLE_BYTES).compaction_strategy(Arc::new(
+                fjall::compaction::Leveled::default().with_table_target_size(TABLE_BYTES),
+            ))
         })?)
     }
 
@@ -176,9 +180,9 @@ pub struct CheckpointStore {
     db: CheckpointDb,
     tree: fjall::Keyspace,
     /// Set by fault injection: every later write fails without touching the store.
-    fail_writes: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    fail_writes: Arc<std::sync::atomic::AtomicBool>,
     /// This store's epoch, taken by its last restore (0: never restored, writes take none).
-    epoch: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    epoch: Arc<AtomicU64>,
     /// The store's own thread for checkpoint work (see [`CheckpointStore::background`]).
     background: std::sync::mpsc::Sender<BackgroundJob>,
 }
@@ -401,21 +405,55 @@ impl CheckpointStore {
 /// (the store's memtables and block cache, else its files) and come only from the fold.
 pub struct StoredCold {
     tree: fjall::Keyspace,
+    reads: Arc<ColdReads>,
+}
+
+/// What the fold read back from the checkpoint store, counted since the engine started: the
+/// reads (a point read or a scan each), the entries they gave back, and the time they took.
+/// Each read runs on the fold's thread under the state lock, so this time is time every waiting
+/// request waited too.
+#[derive(Debug, Default)]
+pub struct ColdReads {
+    reads: AtomicU64,
+    entries: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl ColdReads {
+    /// (reads, entries, seconds) so far.
+    pub fn totals(&self) -> (u64, u64, f64) {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        (load(&self.reads), load(&self.entries), load(&self.nanos) as f64 / 1e9)
+    }
+
+    fn count<T>(&self, started: Instant, entries: usize, result: T) -> T {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.entries.fetch_add(entries as u64, Ordering::Relaxed);
+        self.nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        result
+    }
 }
 
 impl StoredCold {
-    pub fn new(store: &CheckpointStore) -> Self {
-        StoredCold { tree: store.tree.clone() }
+    /// The fold's reads of `store`, counted into `reads`.
+    pub fn new(store: &CheckpointStore, reads: Arc<ColdReads>) -> Self {
+        StoredCold { tree: store.tree.clone(), reads }
     }
 }
 
 impl anima_projections::cold::ColdStore for StoredCold {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, String> {
-        state_get(&self.tree, key).map_err(|e| e.to_string())
+        let started = Instant::now();
+        let value = state_get(&self.tree, key).map_err(|e| e.to_string());
+        let found = matches!(value, Ok(Some(_)));
+        self.reads.count(started, usize::from(found), value)
     }
 
     fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
-        state_scan(&self.tree, prefix).map_err(|e| e.to_string())
+        let started = Instant::now();
+        let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string());
+        let found = entries.as_ref().map_or(0, Vec::len);
+        self.reads.count(started, found, entries)
     }
 
     fn scan_after(
@@ -424,10 +462,12 @@ impl anima_projections::cold::ColdStore for StoredCold {
         after: Option<&[u8]>,
         limit: usize,
     ) -> Result<anima_projections::cold::Entries, String> {
+        let started = Instant::now();
         if !slot_page::page_scan_prefixes(prefix).is_empty() {
             // A paged table's entries are inside its pages: scanned whole, then cut.
             let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string())?;
-            return Ok(anima_projections::cold::page_of(entries, after, limit));
+            let page = anima_projections::cold::page_of(entries, after, limit);
+            return Ok(self.reads.count(started, page.len(), page));
         }
         let start = match after {
             Some(after) => std::ops::Bound::Excluded(state_key(after)),
@@ -442,7 +482,7 @@ impl anima_projections::cold::ColdStore for StoredCold {
             }
             out.push((key[1..].to_vec(), value.to_vec()));
         }
-        Ok(out)
+        Ok(self.reads.count(started, out.len(), out))
     }
 }
 

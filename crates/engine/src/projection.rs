@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::analytics::MaintainedAnalytics;
-use crate::checkpoint::{CheckpointStore, StoredCold};
+use crate::checkpoint::{CheckpointStore, ColdReads, StoredCold};
 use crate::log::{EventLog, LogError, StoredRecord};
 use anima_projections::cold::Cold;
 
@@ -94,6 +94,8 @@ pub struct Projection {
     /// without the state lock.
     state_estimate_bytes: AtomicU64,
     state_budget_bytes: u64,
+    /// The fold's reads of state it had let go of, back from the checkpoint store.
+    cold_reads: Arc<ColdReads>,
 }
 
 /// A hold of the state lock this long or longer is logged (debug), with where it was taken: the
@@ -163,6 +165,11 @@ impl Projection {
     /// after each landed checkpoint) and the budget it is held to (`state_bytes_max`).
     pub fn state_memory_bytes(&self) -> (u64, u64) {
         (self.state_estimate_bytes.load(Ordering::Relaxed), self.state_budget_bytes)
+    }
+
+    /// The fold's reads back from the checkpoint store so far: (reads, entries, seconds).
+    pub fn cold_reads(&self) -> (u64, u64, f64) {
+        self.cold_reads.totals()
     }
 
     /// The maintained analytics counters. Keep the guard short.
@@ -272,7 +279,8 @@ impl Runner {
             checkpoints.restore(&stream_identity).await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         // A checkpoint at seq 0 folded nothing, so it left nothing cold in the store either.
         let restored = state.meta.applied_seq > 0;
-        state.attach_cold(Cold::new(Arc::new(StoredCold::new(&checkpoints))), restored);
+        let cold_reads = Arc::new(ColdReads::default());
+        state.attach_cold(Cold::new(Arc::new(StoredCold::new(&checkpoints, cold_reads.clone()))), restored);
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
         tracing::info!(
@@ -292,6 +300,7 @@ impl Runner {
             log: log.clone(),
             state_estimate_bytes,
             state_budget_bytes: config.state_bytes_max as u64,
+            cold_reads,
         });
         let supervised = projection.clone();
         let task = tokio::spawn(async move {

@@ -14,6 +14,10 @@
 //!   the checkpoint store's), read at scrape time: sled's file grows far past what it holds under
 //!   heavy traffic, and `anima-wake compact` gives the disk back offline (README, "What a data
 //!   dir holds").
+//! * `anima_cold_reads_total`, `anima_cold_read_entries_total`, `anima_cold_read_seconds_total`
+//!   — the fold's reads of state it had let go of (to stay under its budget) back from the
+//!   checkpoint store: how many, the entries they gave back, and the time they took on the
+//!   fold's thread, under the state lock.
 //! * `anima_grpc_refused_total{rpc, code}` — every gRPC call answered with a status other than OK
 //!   (auth refusals, invalid input, fold refusals, unavailable log), counted by [`RefusalLayer`]
 //!   from the status the response starts with; plus the in-band errors of `AppendStream` items.
@@ -33,7 +37,8 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -124,6 +129,12 @@ pub struct Metrics {
     state_estimate_bytes: Gauge,
     state_budget_bytes: Gauge,
     data_dir_bytes: Gauge,
+    cold_reads: Counter,
+    cold_read_entries: Counter,
+    cold_read_seconds: Counter<f64, AtomicU64>,
+    /// Held while the cold-read counters are brought up to the engine's totals, so two scrapes
+    /// at once do not both add the same difference.
+    cold_reads_sync: Mutex<()>,
     refused: Family<RefusedLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     handling_seconds: HistogramFamily<MethodLabels>,
@@ -193,6 +204,20 @@ impl Metrics {
             "The data dir's files on disk (the checkpoint store, and the embedded log when it is the backend), read at scrape time",
             data_dir_bytes.clone(),
         );
+        let cold_reads = Counter::default();
+        registry.register(
+            "anima_cold_reads",
+            "Reads the fold made of state it had let go of to stay under its budget, back from the checkpoint store (a point read or a scan each)",
+            cold_reads.clone(),
+        );
+        let cold_read_entries = Counter::default();
+        registry.register("anima_cold_read_entries", "State entries those reads gave back", cold_read_entries.clone());
+        let cold_read_seconds = Counter::<f64, AtomicU64>::default();
+        registry.register(
+            "anima_cold_read_seconds",
+            "Time those reads took, on the fold's thread under the state lock",
+            cold_read_seconds.clone(),
+        );
         let refused = Family::<RefusedLabels, Counter>::default();
         registry.register(
             "anima_grpc_refused",
@@ -240,6 +265,10 @@ impl Metrics {
             state_estimate_bytes,
             state_budget_bytes,
             data_dir_bytes,
+            cold_reads,
+            cold_read_entries,
+            cold_read_seconds,
+            cold_reads_sync: Mutex::new(()),
             refused,
             handled,
             handling_seconds,
@@ -320,6 +349,14 @@ impl Metrics {
         let (estimate, budget) = engine.projection().state_memory_bytes();
         self.state_estimate_bytes.set(gauge_value(estimate));
         self.state_budget_bytes.set(gauge_value(budget));
+        {
+            // The engine counts; the registry's counters are brought up to its totals.
+            let _sync = self.cold_reads_sync.lock().unwrap_or_else(|p| p.into_inner());
+            let (reads, entries, seconds) = engine.projection().cold_reads();
+            self.cold_reads.inc_by(reads.saturating_sub(self.cold_reads.get()));
+            self.cold_read_entries.inc_by(entries.saturating_sub(self.cold_read_entries.get()));
+            self.cold_read_seconds.inc_by((seconds - self.cold_read_seconds.get()).max(0.0));
+        }
         match tokio::time::timeout(LAST_SEQ_WAIT, engine.log().last_seq()).await {
             Ok(Ok(last)) => {
                 let applied = engine.projection().applied_seq();

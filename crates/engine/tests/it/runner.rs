@@ -575,7 +575,7 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
     }
     store.write(&identity, second, vec![], true).await.expect("second checkpoint");
 
-    let cold = anima_engine::checkpoint::StoredCold::new(&store);
+    let cold = anima_engine::checkpoint::StoredCold::new(&store, Default::default());
     for (key, value) in &model {
         assert_eq!(cold.get(key).expect("get").as_ref(), Some(value), "{key:?}");
     }
