@@ -40,8 +40,8 @@ pub const FOLD_VERSION_KEY: &[u8] = b"m:fold_version";
 /// The identity of the stream the checkpoint was taken on.
 pub const STREAM_KEY: &[u8] = b"m:stream";
 /// The epoch of the runner that owns the checkpoint (big-endian u64), taken at each restore.
-/// A write checks it in the same transaction that applies it, so a runner that was replaced
-/// (aborted while its write was still on the blocking pool, a crash simulated in-process) can
+/// A write checks it under the same guard that commits its batch, so a runner that was replaced
+/// (aborted while its write still waited on the checkpoint thread, a crash simulated in-process) can
 /// never land a write after its successor's: a checkpoint is never a mix of two runners.
 pub const EPOCH_KEY: &[u8] = b"m:epoch";
 
@@ -545,6 +545,17 @@ pub fn state_scan(tree: &fjall::Keyspace, prefix: &[u8]) -> Result<anima_project
 fn commit_changes(db: &fjall::Database, tree: &fjall::Keyspace, changes: &ChangeSet) -> Result<(), CheckpointError> {
     let mut pages: std::collections::BTreeMap<Vec<u8>, slot_page::PageChanges<'_>> = Default::default();
     let mut batch = db.batch();
+    // What the batch writes by state table tag (pages counted whole, as they are written), for
+    // the debug log: what the store's journal and merges have to carry.
+    let mut written: Option<std::collections::BTreeMap<u8, (usize, usize)>> =
+        tracing::enabled!(tracing::Level::DEBUG).then(Default::default);
+    let mut count = |key: &[u8], value: Option<&[u8]>| {
+        if let (Some(written), Some((&STATE_PREFIX, state))) = (written.as_mut(), key.split_first()) {
+            let entry = written.entry(state.first().copied().unwrap_or(0)).or_default();
+            entry.0 += 1;
+            entry.1 += key.len() + value.map_or(0, <[u8]>::len);
+        }
+    };
     for (key, value) in changes.iter() {
         let paged = match key.split_first() {
             Some((&STATE_PREFIX, state)) => slot_page::paged_key(state),
@@ -554,18 +565,33 @@ fn commit_changes(db: &fjall::Database, tree: &fjall::Keyspace, changes: &Change
             (Some(paged), _) => {
                 pages.entry(state_key(&paged.page_key)).or_default().push((paged.index, value.as_deref()))
             }
-            (None, Some(value)) => batch.insert(tree, key.as_slice(), value.as_slice()),
-            (None, None) => batch.remove(tree, key.as_slice()),
+            (None, Some(value)) => {
+                count(key, Some(value));
+                batch.insert(tree, key.as_slice(), value.as_slice())
+            }
+            (None, None) => {
+                count(key, None);
+                batch.remove(tree, key.as_slice())
+            }
         }
     }
     for (page_key, changes) in pages {
         let old = tree.get(&page_key)?;
         match slot_page::page_apply(old.as_deref(), &changes)? {
-            Some(page) => batch.insert(tree, page_key, page),
-            None => batch.remove(tree, page_key),
+            Some(page) => {
+                count(&page_key, Some(&page));
+                batch.insert(tree, page_key, page)
+            }
+            None => {
+                count(&page_key, None);
+                batch.remove(tree, page_key)
+            }
         }
     }
     batch.commit()?;
+    if let Some(written) = written {
+        tracing::debug!(?written, "checkpoint batch by state table tag (entries, key and value bytes)");
+    }
     Ok(())
 }
 

@@ -14,12 +14,19 @@
 //! page is read, patched and written back: at most [`SLOTS_PER_PAGE`] entries per changed
 //! page, whatever the history's length.
 //!
-//! Why 16 slots to a page: a page is rewritten whole, and queued wakes leave a queue from
+//! Why 4 slots to a page: a page is rewritten whole, and queued wakes leave a queue from
 //! anywhere in it (a claim takes a surface's items), so a checkpoint's changes to a queue are
-//! scattered over its pages. With 64 slots, a count of one 30 s `anima-load` run's
-//! checkpoints gave 3.6 MB of page and entry bytes per checkpoint (queued items 1.6 MB in 174
-//! pages of 9.1 KB, rows 1.3 MB in 373 pages of 3.4 KB); with 16, 1.8 MB for 8% more writes,
-//! and the engine's writes to its files fell by a quarter (see README, "Figures").
+//! scattered over its pages; and a surface's newest rows page is rewritten at every checkpoint
+//! while it fills. With 64 slots, a count of one 30 s `anima-load` run's checkpoints gave 3.6
+//! MB of page and entry bytes per checkpoint; with 16, 1.8 MB. With 16, in the second half of
+//! a 90 s embedded `anima-load` run, the store took 449 MB of batches in 45 s (queued-item
+//! pages 216 MB at 2.1 KB each, row pages 96 MB at 951 B); with 4, 259 MB (queued items 98 MB
+//! at 486 B, rows 34 MB at 247 B), counted with `ANIMA_LOG=anima_engine::checkpoint=debug`.
+//! Every byte of a batch goes through the store's journal and then its merges, which write
+//! several times as much (the merge thread wrote 20–60 MB/s beside about 8 MB/s of journal);
+//! those writes share the disk with the embedded log's syncs. In two alternated pairs of 90 s
+//! runs, 4 slots gave 0 and 109 calls of 100 ms or more against 2,512 and 274 with 16 (README,
+//! "Slot pages of 4 slots").
 //!
 //! A page's key is its own tag (the entry tag with [`PAGE_TAG_BIT`] set), the owner's bytes as
 //! in the entry key, and the page number (slot / [`SLOTS_PER_PAGE`], big-endian u64). Its value
@@ -27,7 +34,7 @@
 //! (LEB128) and the value.
 
 /// Consecutive slots of one owner per page.
-pub const SLOTS_PER_PAGE: u64 = 16;
+pub const SLOTS_PER_PAGE: u64 = 4;
 
 /// Set in an entry tag to make the tag of its pages (no state tag has it set).
 pub const PAGE_TAG_BIT: u8 = 0x40;
@@ -281,11 +288,11 @@ mod tests {
 
     #[test]
     fn a_damaged_page_is_an_error() {
-        let page = page_apply(None, &[(3, Some(b"abc")), (9, Some(b""))]).unwrap().unwrap();
-        assert_eq!(page_get(&page, 3).unwrap(), Some(b"abc".to_vec()));
-        assert!(page_get(&page[..page.len() - 3], 3).is_err(), "a cut-off page");
+        let page = page_apply(None, &[(1, Some(b"abc")), (3, Some(b""))]).unwrap().unwrap();
+        assert_eq!(page_get(&page, 1).unwrap(), Some(b"abc".to_vec()));
+        assert!(page_get(&page[..page.len() - 3], 1).is_err(), "a cut-off page");
         let mut swapped = page.clone();
-        swapped[0] = 10;
-        assert!(page_get(&swapped, 3).is_err(), "indexes out of order");
+        swapped[0] = 3;
+        assert!(page_get(&swapped, 1).is_err(), "indexes out of order");
     }
 }

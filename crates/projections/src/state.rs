@@ -25,9 +25,9 @@ use crate::wake::{AgentQueue, WakeItem};
 /// receipts, sessions and responses are cold tables, left in the store at a restore; a session
 /// is forgotten by its place among session receipts, not among distinct sessions; 20: the
 /// surface interner, the journal headers and the cursors are cold tables; 21: the chat kinds and
-/// the DM members are cold tables) and decision rules. A checkpoint taken by another version is
+/// the DM members are cold tables; 22: 4 slots to a page instead of 16) and decision rules. A checkpoint taken by another version is
 /// discarded and state is rebuilt from the log.
-pub const FOLD_VERSION: u32 = 21;
+pub const FOLD_VERSION: u32 = 22;
 /// The highest `min_reader_version` this fold understands. An event that demands more and that
 /// the fold cannot read stops all deciding (fail closed).
 pub const READER_VERSION: u32 = 1;

@@ -404,6 +404,9 @@ async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let (instance, live) = instance_after_incident(dir.path()).await;
     instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+    // A data dir of the earlier version: its checkpoint was a sled tree beside the log, and it
+    // has no checkpoint store of its own yet.
+    std::fs::remove_dir_all(dir.path().join(anima_engine::checkpoint::CHECKPOINT_DIR)).unwrap();
     {
         let db = data_dir::open(dir.path(), 16 * 1024 * 1024, false).unwrap();
         let old = db.open_tree(EMBEDDED_CHECKPOINT_TREE).unwrap();
@@ -412,6 +415,7 @@ async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
         drop(old);
         data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
     }
+    // The start does not read the old tree: the state is folded from the log again, whole.
     let instance = start_instance(dir.path()).await;
     instance.engine.projection().wait_applied(9, WAIT).await.unwrap();
     assert_eq!(instance.engine.projection().state().canonical_bytes(), live);

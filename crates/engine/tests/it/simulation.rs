@@ -557,7 +557,7 @@ impl Sim {
     /// Starts a node from its own data dir (its checkpoints). A node's checkpoint store is its
     /// own, as a process's data dir is: reopening it after a crash waits until every handle of
     /// the dead node is gone, a checkpoint write it left in flight included.
-    /// `CheckpointStore::write` runs on the blocking pool and finishes even when its caller was
+    /// `CheckpointStore::write` runs on the store's checkpoint thread and finishes even when its caller was
     /// aborted: a runner restarted in-process on the same open database can have that late write
     /// land after its own and tear the checkpoint (seen here before nodes got their own
     /// databases: a restarted node's state differed from a rebuild).
