@@ -290,8 +290,8 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     let rss_after_mib = rss_kib(engine.pid).unwrap_or(0) as f64 / 1024.0;
     let after = scrape_fold(engine.metrics_addr).await?;
     let cold = (
-        after.cold_reads - before.cold_reads,
-        after.cold_read_entries - before.cold_read_entries,
+        after.cold_reads.saturating_sub(before.cold_reads),
+        after.cold_read_entries.saturating_sub(before.cold_read_entries),
         after.cold_read_seconds - before.cold_read_seconds,
     );
     let state_after_mib = after.state_estimate_bytes as f64 / (1024.0 * 1024.0);
