@@ -23,8 +23,9 @@
 //! pages 216 MB at 2.1 KB each, row pages 96 MB at 951 B); with 4, 259 MB (queued items 98 MB
 //! at 486 B, rows 34 MB at 247 B), counted with `ANIMA_LOG=anima_engine::checkpoint=debug`.
 //! Every byte of a batch goes through the store's journal and then its merges, which write
-//! several times as much (the merge thread wrote 20–60 MB/s beside about 8 MB/s of journal);
-//! those writes share the disk with the embedded log's syncs. In two alternated pairs of 90 s
+//! several times as much (with 16 slots, sampled each second through a 10-minute run, the
+//! merge thread wrote 17–61 MB/s beside 6–13 MB/s of journal); those writes share the disk
+//! with the embedded log's syncs. In two alternated pairs of 90 s
 //! runs, 4 slots gave 0 and 109 calls of 100 ms or more against 2,512 and 274 with 16 (README,
 //! "Slot pages of 4 slots").
 //!
