@@ -408,7 +408,8 @@ fn fleet_events(agents: usize, total: usize, seed: u64) -> Vec<AppendRecord> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
     // The runner with a zero budget lets every clean journal row and identity leave memory after
-    // each checkpoint and reads them back from sled when a decision needs them; a fold with
+    // each checkpoint and reads them back from the checkpoint store when a decision needs them
+    // (the engine counts those reads for its metrics); a fold with
     // everything in memory must reach the same verdicts and the same state.
     let dir = tempfile::tempdir().expect("tempdir");
     let (log, db) = open(dir.path());
@@ -447,6 +448,11 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
             })
             .count();
         assert!(held > 100, "the fleet log holds sends ({held}), so rows are read back");
+        let (reads, entries, seconds) = runner.projection.cold_reads();
+        assert!(
+            reads > 0 && entries > 0 && seconds > 0.0,
+            "cold reads counted: {reads}, {entries} entries, {seconds} s"
+        );
         for seq in 1..=last {
             assert_eq!(live.verdict(seq), reference.verdict(seq), "the verdict of seq {seq} depends on memory");
         }
