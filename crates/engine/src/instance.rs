@@ -122,27 +122,27 @@ impl Instance {
         let _small_pages = crate::startup_pages::SmallPagesWhileStarting::begin();
         let data_dir_error =
             |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
-        let db = crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true)
-            .map_err(|e| data_dir_error(e.to_string()))?;
-        let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
-            Backend::Embedded(embedded) => (
-                Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?),
-                crate::checkpoint::EMBEDDED_CHECKPOINT_TREE.to_owned(),
-                "embedded",
-            ),
-            Backend::JetStream(jetstream) => (
-                Arc::new(JetStreamLog::connect(jetstream.clone()).await?),
-                crate::checkpoint::jetstream_checkpoint_tree(&jetstream.stream),
-                "jetstream",
-            ),
+        // The checkpoint store opens while sled and the log do: it reads its whole journal when
+        // it opens (most of a restart's time on a large history), and nothing it does depends on
+        // them. Its result is taken only after sled's, so a data dir another instance holds is
+        // reported as sled reports it (the store has a lock of its own and fails too).
+        let checkpoint_db = {
+            let (data_dir, cache_bytes) = (config.data_dir.clone(), config.checkpoint_cache_bytes);
+            tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(&data_dir)?;
+                CheckpointDb::open(&data_dir, cache_bytes)
+            })
         };
-        let log: Arc<dyn EventLog> = match &config.append_observer {
-            Some(observer) => Arc::new(ObservedLog::new(log, observer.clone())),
-            None => log,
+        let opened = match crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true) {
+            Ok(db) => Self::open_log(&config, &db).await.map(|log| (db, log)),
+            Err(e) => Err(data_dir_error(e.to_string())),
         };
-        drop_sled_checkpoints(&db).map_err(|e| data_dir_error(e.to_string()))?;
-        let checkpoint_db = CheckpointDb::open(&config.data_dir, config.checkpoint_cache_bytes)
-            .map_err(|e| data_dir_error(e.to_string()))?;
+        let checkpoint_db = checkpoint_db
+            .await
+            .map_err(|e| data_dir_error(format!("opening the checkpoint store: {e}")))?
+            .map_err(|e| data_dir_error(e.to_string()));
+        let (db, (log, checkpoint_tree, backend_name)) = opened?;
+        let checkpoint_db = checkpoint_db?;
         let checkpoints =
             CheckpointStore::open(&checkpoint_db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
         let shutdown = CancellationToken::new();
@@ -192,6 +192,35 @@ impl Instance {
             scheduler,
             sled: db,
         })
+    }
+
+    /// Opens the log of `config`'s backend (the embedded one in `db`), behind the append
+    /// observer if one is configured, and drops the checkpoints an earlier version kept in sled.
+    /// Gives the log, the name of its checkpoint and the backend's name.
+    async fn open_log(
+        config: &InstanceConfig,
+        db: &sled::Db,
+    ) -> Result<(Arc<dyn EventLog>, String, &'static str), InstanceError> {
+        let data_dir_error =
+            |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
+        let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
+            Backend::Embedded(embedded) => (
+                Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?),
+                crate::checkpoint::EMBEDDED_CHECKPOINT_TREE.to_owned(),
+                "embedded",
+            ),
+            Backend::JetStream(jetstream) => (
+                Arc::new(JetStreamLog::connect(jetstream.clone()).await?),
+                crate::checkpoint::jetstream_checkpoint_tree(&jetstream.stream),
+                "jetstream",
+            ),
+        };
+        let log: Arc<dyn EventLog> = match &config.append_observer {
+            Some(observer) => Arc::new(ObservedLog::new(log, observer.clone())),
+            None => log,
+        };
+        drop_sled_checkpoints(db).map_err(|e| data_dir_error(e.to_string()))?;
+        Ok((log, checkpoint_tree, backend_name))
     }
 
     /// Stops the runner, writing a last checkpoint. The data dir stays locked until every clone

@@ -426,6 +426,29 @@ async fn checkpoints_an_earlier_version_kept_in_sled_are_dropped_at_start() {
     data_dir::close(db, dir.path(), data_dir::RELEASE_WAIT_DEFAULT).unwrap();
 }
 
+/// A second instance started on a data dir another one holds is refused with the data dir's own
+/// error, although its checkpoint store opens beside sled and the log: the running instance keeps
+/// serving and checkpointing, and what it folded comes back at the next start.
+#[tokio::test]
+async fn a_second_instance_on_a_data_dir_in_use_is_refused_and_the_first_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (instance, _) = instance_after_incident(dir.path()).await;
+    let refused = Instance::start(InstanceConfig::new(dir.path(), Backend::Embedded(EmbeddedConfig::default())))
+        .await
+        .err()
+        .expect("a second instance on the same data dir");
+    let message = refused.to_string();
+    assert!(message.contains("is in use"), "{message}");
+    instance.engine.log().append(send(10)).await.unwrap();
+    instance.engine.projection().wait_applied(10, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+    let instance = start_instance(dir.path()).await;
+    assert_eq!(instance.engine.projection().applied_seq(), 10);
+    assert_eq!(instance.engine.projection().state().canonical_bytes(), live);
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+}
+
 #[tokio::test]
 async fn verify_passes_on_a_checkpoint_and_names_the_first_tampered_key() {
     let dir = tempfile::tempdir().unwrap();
