@@ -118,6 +118,8 @@ impl CheckpointDb {
     /// Opens (creating it) the checkpoint store of the data dir `data_dir`, whose block cache
     /// takes `cache_bytes`.
     pub fn open(data_dir: &std::path::Path, cache_bytes: u64) -> Result<Self, CheckpointError> {
+        let started = Instant::now();
+        let journal_bytes = journal_bytes(data_dir);
         let db = fjall::Database::builder(data_dir.join(CHECKPOINT_DIR))
             .cache_size(cache_bytes)
             // One thread writes memtables out and merges tables, so that the store's background
@@ -125,6 +127,11 @@ impl CheckpointDb {
             .worker_threads(1)
             .open()?;
         nice_store_threads();
+        tracing::info!(
+            journal_mib = %format_args!("{:.1}", journal_bytes as f64 / (1024.0 * 1024.0)),
+            open_ms = %format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3),
+            "checkpoint store opened (it reads its whole journal to open)"
+        );
         Ok(CheckpointDb { db, data_dir: data_dir.to_owned() })
     }
 
@@ -172,6 +179,21 @@ impl CheckpointDb {
     pub fn persist(&self) -> Result<(), CheckpointError> {
         Ok(self.db.persist(fjall::PersistMode::SyncAll)?)
     }
+}
+
+/// The bytes of the checkpoint store's journal files in `data_dir` (0 when it has none). The store
+/// reads and replays every entry of them when it opens, so this is what a start's time grows
+/// with: opening took 0.56–0.59 s with a journal of 59.6 MB holding 480k entries, about 1.2 µs
+/// an entry (README, "The scale figure"). fjall starts a new journal file only once the current
+/// one has passed 64 MB, so a journal of any size up to that is normal.
+pub fn journal_bytes(data_dir: &std::path::Path) -> u64 {
+    let Ok(files) = std::fs::read_dir(data_dir.join(CHECKPOINT_DIR)) else { return 0 };
+    files
+        .flatten()
+        .filter(|file| file.path().extension().is_some_and(|extension| extension == "jnl"))
+        .filter_map(|file| file.metadata().ok())
+        .map(|metadata| metadata.len())
+        .sum()
 }
 
 /// One projection checkpoint in a data dir's checkpoint store.
