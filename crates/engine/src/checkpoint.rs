@@ -430,6 +430,10 @@ pub struct StoredCold {
     reads: Arc<ColdReads>,
 }
 
+/// A read back from the checkpoint store at least this long is logged (debug) with its table's
+/// tag: the fold waits for it under the state lock, and so does every request behind it.
+const SLOW_COLD_READ: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// What the fold read back from the checkpoint store, counted since the engine started: the
 /// reads (a point read or a scan each), the entries they gave back, and the time they took.
 /// Each read runs on the fold's thread under the state lock, so this time is time every waiting
@@ -448,10 +452,19 @@ impl ColdReads {
         (load(&self.reads), load(&self.entries), load(&self.nanos) as f64 / 1e9)
     }
 
-    fn count<T>(&self, started: Instant, entries: usize, result: T) -> T {
+    fn count<T>(&self, started: Instant, key: &[u8], entries: usize, result: T) -> T {
+        let took = started.elapsed();
         self.reads.fetch_add(1, Ordering::Relaxed);
         self.entries.fetch_add(entries as u64, Ordering::Relaxed);
-        self.nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.nanos.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if took >= SLOW_COLD_READ {
+            tracing::debug!(
+                table_tag = key.first().copied().unwrap_or_default(),
+                entries,
+                ms = %format_args!("{:.1}", took.as_secs_f64() * 1e3),
+                "slow read back from the checkpoint store"
+            );
+        }
         result
     }
 }
@@ -468,14 +481,14 @@ impl anima_projections::cold::ColdStore for StoredCold {
         let started = Instant::now();
         let value = state_get(&self.tree, key).map_err(|e| e.to_string());
         let found = matches!(value, Ok(Some(_)));
-        self.reads.count(started, usize::from(found), value)
+        self.reads.count(started, key, usize::from(found), value)
     }
 
     fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
         let started = Instant::now();
         let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string());
         let found = entries.as_ref().map_or(0, Vec::len);
-        self.reads.count(started, found, entries)
+        self.reads.count(started, prefix, found, entries)
     }
 
     fn scan_after(
@@ -489,7 +502,7 @@ impl anima_projections::cold::ColdStore for StoredCold {
             // A paged table's entries are inside its pages: scanned whole, then cut.
             let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string())?;
             let page = anima_projections::cold::page_of(entries, after, limit);
-            return Ok(self.reads.count(started, page.len(), page));
+            return Ok(self.reads.count(started, prefix, page.len(), page));
         }
         let start = match after {
             Some(after) => std::ops::Bound::Excluded(state_key(after)),
@@ -504,7 +517,7 @@ impl anima_projections::cold::ColdStore for StoredCold {
             }
             out.push((key[1..].to_vec(), value.to_vec()));
         }
-        Ok(self.reads.count(started, out.len(), out))
+        Ok(self.reads.count(started, prefix, out.len(), out))
     }
 }
 

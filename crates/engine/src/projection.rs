@@ -511,6 +511,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
             (envelope, event)
         })
         .collect();
+    let cold_before = projection.cold_reads();
     let last = {
         let mut state = projection.state();
         let mut analytics = projection.analytics();
@@ -528,8 +529,17 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
             analytics.observe_redacted(event, state.verdict(record.seq));
         }
         if state.held() >= STATE_LOCK_HELD_LOGGED {
-            // The guard logs the hold itself; this says how many events it was.
-            tracing::debug!(events = batch.len(), "slow fold batch");
+            // The guard logs the hold itself; this says how many events it was, and how much of
+            // it the fold spent reading state back from the checkpoint store (requests' own
+            // reads in the same moments are counted too).
+            let cold_after = projection.cold_reads();
+            tracing::debug!(
+                events = batch.len(),
+                cold_reads = cold_after.0.saturating_sub(cold_before.0),
+                cold_entries = cold_after.1.saturating_sub(cold_before.1),
+                cold_ms = %format_args!("{:.1}", (cold_after.2 - cold_before.2) * 1e3),
+                "slow fold batch"
+            );
         }
         batch.last().map(|r| r.seq)
     };
