@@ -183,7 +183,7 @@ impl CheckpointDb {
 
 /// The bytes of the checkpoint store's journal files in `data_dir` (0 when it has none). The store
 /// reads and replays every entry of them when it opens, so this is what a start's time grows
-/// with: opening took 0.56–0.59 s with a journal of 59.6 MB holding 480k entries, about 1.2 µs
+/// with: opening took 0.56–0.67 s with a journal of 59.6 MB holding 480k entries, about 1.2 µs
 /// an entry (README, "The scale figure"). fjall starts a new journal file only once the current
 /// one has passed 64 MB, so a journal of any size up to that is normal.
 pub fn journal_bytes(data_dir: &std::path::Path) -> u64 {

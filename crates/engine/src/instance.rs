@@ -128,10 +128,8 @@ impl Instance {
         // reported as sled reports it (the store has a lock of its own and fails too).
         let checkpoint_db = {
             let (data_dir, cache_bytes) = (config.data_dir.clone(), config.checkpoint_cache_bytes);
-            tokio::task::spawn_blocking(move || {
-                std::fs::create_dir_all(&data_dir)?;
-                CheckpointDb::open(&data_dir, cache_bytes)
-            })
+            // fjall creates the folders it opens, the data dir included.
+            tokio::task::spawn_blocking(move || CheckpointDb::open(&data_dir, cache_bytes))
         };
         let opened = match crate::data_dir::open(&config.data_dir, config.sled_cache_bytes, true) {
             Ok(db) => Self::open_log(&config, &db).await.map(|log| (db, log)),
@@ -142,6 +140,7 @@ impl Instance {
             .map_err(|e| data_dir_error(format!("opening the checkpoint store: {e}")))?
             .map_err(|e| data_dir_error(e.to_string()));
         let (db, (log, checkpoint_tree, backend_name)) = opened?;
+        drop_sled_checkpoints(&db).map_err(|e| data_dir_error(e.to_string()))?;
         let checkpoint_db = checkpoint_db?;
         let checkpoints =
             CheckpointStore::open(&checkpoint_db, &checkpoint_tree).map_err(|e| data_dir_error(e.to_string()))?;
@@ -195,14 +194,12 @@ impl Instance {
     }
 
     /// Opens the log of `config`'s backend (the embedded one in `db`), behind the append
-    /// observer if one is configured, and drops the checkpoints an earlier version kept in sled.
-    /// Gives the log, the name of its checkpoint and the backend's name.
+    /// observer if one is configured. Gives the log, the name of its checkpoint and the
+    /// backend's name.
     async fn open_log(
         config: &InstanceConfig,
         db: &sled::Db,
     ) -> Result<(Arc<dyn EventLog>, String, &'static str), InstanceError> {
-        let data_dir_error =
-            |reason: String| InstanceError::DataDir { path: config.data_dir.display().to_string(), reason };
         let (log, checkpoint_tree, backend_name): (Arc<dyn EventLog>, String, &'static str) = match &config.backend {
             Backend::Embedded(embedded) => (
                 Arc::new(EmbeddedLog::open(db.clone(), embedded.clone())?),
@@ -219,7 +216,6 @@ impl Instance {
             Some(observer) => Arc::new(ObservedLog::new(log, observer.clone())),
             None => log,
         };
-        drop_sled_checkpoints(db).map_err(|e| data_dir_error(e.to_string()))?;
         Ok((log, checkpoint_tree, backend_name))
     }
 

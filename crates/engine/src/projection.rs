@@ -530,8 +530,8 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
         }
         if state.held() >= STATE_LOCK_HELD_LOGGED {
             // The guard logs the hold itself; this says how many events it was, and how much of
-            // it the fold spent reading state back from the checkpoint store (requests' own
-            // reads in the same moments are counted too).
+            // it the fold spent reading state back from the checkpoint store (the count starts
+            // before the lock is taken, so a request that held it just before adds its reads).
             let cold_after = projection.cold_reads();
             tracing::debug!(
                 events = batch.len(),
