@@ -141,7 +141,7 @@ impl EventFilter {
     fn matches(&self, record: &StoredRecord, surface_subject: Option<&str>) -> Option<String> {
         let redactor = Redactor::schema();
         if let Some(surface_subject) = surface_subject {
-            if record.subject != surface_subject {
+            if record.subject.as_str() != surface_subject {
                 return None;
             }
         }

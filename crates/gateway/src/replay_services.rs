@@ -124,7 +124,7 @@ pub fn replay_event(event: ReplayedEvent) -> api::ReplayReadResponse {
     let decoded = events::Envelope::decode(event.record.payload.as_ref()).ok();
     api::ReplayReadResponse {
         seq: event.record.seq,
-        subject: event.record.subject,
+        subject: event.record.subject.to_string(),
         log_time_ns: event.record.timestamp_ns,
         event_type: event.event_type,
         stored: event.record.payload.to_vec(),
@@ -373,7 +373,7 @@ pub fn explain_response(explanation: Explanation) -> api::ReplayExplainResponse 
     let Explanation { record, event_type, verdict, facts, cursor, halted: _ } = explanation;
     let mut response = api::ReplayExplainResponse {
         seq: record.seq,
-        subject: record.subject,
+        subject: record.subject.to_string(),
         log_time_ns: record.timestamp_ns,
         event_type,
         outcome: verdict.as_ref().map(|v| outcome(&RedactedOutcome::of(v))),

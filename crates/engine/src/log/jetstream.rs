@@ -1041,7 +1041,7 @@ impl ConsumerReader {
             self.next_seq = seq + 1;
             let record = StoredRecord {
                 seq,
-                subject: message.message.subject.to_string(),
+                subject: message.message.subject.clone(),
                 timestamp_ns,
                 payload: message.message.payload.clone(),
             };
@@ -1226,7 +1226,7 @@ fn incompatibilities(existing: &jetstream::stream::Config, wanted: &JetStreamCon
 fn stream_message_record(message: StreamMessage) -> LogResult<StoredRecord> {
     Ok(StoredRecord {
         seq: message.sequence,
-        subject: message.subject.to_string(),
+        subject: message.subject,
         timestamp_ns: datetime_ns(message.time),
         payload: message.payload,
     })

@@ -53,7 +53,11 @@ impl AppendOutcome {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoredRecord {
     pub seq: u64,
-    pub subject: String,
+    /// A UTF-8 string sharing its bytes (async-nats's subject type): on the embedded log a
+    /// slice of the stored entry the record was read from, on JetStream the received message's
+    /// own subject, so reading a record copies no subject. Every event the fold applies is read
+    /// back as a record, and a rebuild reads the whole log.
+    pub subject: async_nats::Subject,
     /// The log's own time of the event, unix nanoseconds.
     pub timestamp_ns: i64,
     pub payload: Bytes,

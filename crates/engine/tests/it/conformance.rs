@@ -192,7 +192,7 @@ async fn appends_get_dense_ordered_seqs(fixture: &mut Fixture) {
     assert_eq!(records.len(), 5);
     for (i, stored) in records.iter().enumerate() {
         assert_eq!(stored.seq, i as u64 + 1);
-        assert_eq!(stored.subject, subjects[i]);
+        assert_eq!(stored.subject.as_str(), subjects[i]);
         assert_eq!(stored.payload, Bytes::from(format!("payload {i}")));
     }
 }
@@ -209,7 +209,7 @@ async fn same_msg_id_is_a_duplicate_of_the_first(fixture: &mut Fixture) {
     assert_eq!(log.last_seq().await.expect("last_seq"), 2);
     let stored = log.get(1).await.expect("get").expect("seq 1 stored");
     assert_eq!(stored.payload, Bytes::from_static(b"first"));
-    assert_eq!(stored.subject, subject);
+    assert_eq!(stored.subject.as_str(), subject);
     assert_eq!(read_seqs(log, 1, u64::MAX, None).await, vec![1, 2]);
 }
 
@@ -357,7 +357,7 @@ async fn follow_sees_existing_then_live(fixture: &mut Fixture) {
     assert_eq!(live[0].payload, Bytes::from_static(b"live 0"));
     let filtered = next_records(&mut only_a2, 2).await;
     assert_eq!(filtered.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 6]);
-    assert!(filtered.iter().all(|r| r.subject == a2));
+    assert!(filtered.iter().all(|r| r.subject.as_str() == a2));
     let tail = next_records(&mut from_the_end, 3).await;
     assert_eq!(tail.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 5, 6]);
     writer.await.expect("writer task");

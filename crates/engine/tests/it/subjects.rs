@@ -121,7 +121,7 @@ async fn two_deployments_share_one_server_under_their_own_streams_and_prefixes()
     assert!(subjects.contains(&"anima.v1.agent.ada_bot"), "{subjects:?}");
     assert!(subjects.contains(&"anima.v1.surface.slack.T1.D1"), "{subjects:?}");
     assert!(subjects.contains(&"anima.v1.surface.chat.t1.oc_abc"), "{subjects:?}");
-    assert!(second_events.iter().any(|r| r.subject == "acme.anima.agent.bob"), "{second_events:#?}");
+    assert!(second_events.iter().any(|r| r.subject.as_str() == "acme.anima.agent.bob"), "{second_events:#?}");
 
     // Each replay of the surface, which both deployments have, finds only its own message.
     for (instance, agent) in [(&first, "ada_bot"), (&second, "bob")] {
@@ -196,7 +196,7 @@ async fn a_stream_created_before_the_encoding_record_keeps_the_first_encoding() 
     assert_eq!(ingested.len(), 1);
     let records = everything(engine.log().as_ref()).await;
     assert_eq!(records.len(), 3, "{records:#?}");
-    assert_eq!(records[2].subject, "anima.v1.surface.chat.t1.oc_5Fabc");
+    assert_eq!(records[2].subject.as_str(), "anima.v1.surface.chat.t1.oc_5Fabc");
 
     // Replay of the surface finds the message from before the upgrade and the one after it.
     let replayer = Replayer::new(engine.log().clone(), ReplayConfig::default());
