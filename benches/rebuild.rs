@@ -18,9 +18,12 @@
 //!   checkpoint tree, timed until the projection has applied the last event (decode, fold, body
 //!   cache, a checkpoint every `checkpoint_every_events`, as configured by default).
 //!
-//! The ratio is rebuild rate / raw read rate (target ≥ 0.7); the fold's and the log read's rates
-//! show where the rest goes. Each measure's process CPU time is printed next to its wall time: on
-//! a shared 2-core machine the difference is time spent waiting for a core.
+//! Two ratios have targets (issue 9, item 4): the runner's rebuild over the fold of the same log
+//! (rebuild rate / fold rate, target ≥ 0.8: what the runner adds to the fold), and the log read
+//! over the raw read (target ≥ 0.8: what `EventLog::read` adds to the store). Rebuild rate / raw
+//! read rate is printed too, without a target: the fold itself is most of it. Each measure's
+//! process CPU time is printed next to its wall time: on a shared 2-core machine the difference
+//! is time spent waiting for a core.
 //!
 //! The last rebuild's runner is stopped (writing its last checkpoint, which then covers the whole
 //! log); then [`RESTART_ROUNDS`] times, [`RESTART_NEW_EVENTS`] more events of the same mix are
@@ -396,15 +399,16 @@ fn bench_backend(
     let rebuild_line = format!(
         "rebuild_{name}: {events} events, rebuild (Runner from an empty checkpoint) {:.1?} = {rebuild_rate:.0} ev/s, \
          fold (Replayer::rebuild) {:.1?} = {fold_rate:.0} ev/s, EventLog::read {:.1?} = {read_rate:.0} ev/s, \
-         {raw_name} {:.1?} = {raw_rate:.0} ev/s; ratio rebuild/raw {:.3} (target >= 0.7), fold/raw {:.3}, \
-         log read/raw {:.2} (median of {rounds} rounds each)",
+         {raw_name} {:.1?} = {raw_rate:.0} ev/s; ratio rebuild/fold {:.2} (target >= 0.8), \
+         log read/raw {:.2} (target >= 0.8), rebuild/raw {:.3}, fold/raw {:.3} (median of {rounds} rounds each)",
         median(&rebuild),
         median(&fold),
         median(&read),
         median(&raw),
+        rebuild_rate / fold_rate,
+        read_rate / raw_rate,
         rebuild_rate / raw_rate,
         fold_rate / raw_rate,
-        read_rate / raw_rate,
     );
 
     // Restarts from the checkpoint the last rebuild left, which covers the whole log.
