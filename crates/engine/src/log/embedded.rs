@@ -127,11 +127,12 @@ const APPEND_REQUESTS_QUEUED_MAX: usize = 1024;
 /// limits.
 const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// Records one read step scans (matching the filter or not) before yielding, so a filter that
-/// matches little never holds a blocking thread for long (4,096 records of ~230 B scan in about
-/// a third of a millisecond here). Every step is a task on the blocking pool and a fresh range
-/// of the tree: with 1,024 a step, `EventLog::read` of a 600k-event log was 0.60–0.62 of a raw
-/// scan of the same tree, with 4,096 0.65–0.67 (`REBUILD_EVENTS=600000 cargo bench -p
-/// anima-benches -- rebuild_embedded`, two alternated pairs).
+/// matches little never holds a blocking thread for long (a step of 4,096 records of ~230 B takes
+/// 0.5–1 ms here: the bench below read 600k records in 73–149 ms). Every step is a task on the
+/// blocking pool and a fresh range of the tree. With records sharing their subject's bytes,
+/// `EventLog::read` of a 600k-event log was 0.37–0.62 of a raw scan of the same tree with 1,024
+/// a step (four runs) and 0.65–0.67 with 4,096 (two runs; `REBUILD_EVENTS=600000 cargo bench -p
+/// anima-benches -- rebuild_embedded`, alternated); at 1M events, three runs gave 0.36–0.63.
 const READ_CHUNK_RECORDS_MAX: usize = 4096;
 /// Payload bytes one read step returns before yielding.
 const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
@@ -487,13 +488,13 @@ fn read_chunk(
             return Ok(false);
         }
         scanned += 1;
-        let matches = match filter {
-            None => true,
-            Some(filter) => filter.matches(parts.subject_str(seq)?),
-        };
-        if matches {
-            bytes += parts.payload.len();
-            records.push(parts.into_record(seq, value)?);
+        // Built before the filter looks at it, so its subject is checked to be UTF-8 once; a
+        // record the filter leaves out is built and dropped (two reference counts on the
+        // entry's bytes, taken and given back).
+        let record = parts.into_record(seq, value)?;
+        if filter.is_none_or(|filter| filter.matches(&record.subject)) {
+            bytes += record.payload.len();
+            records.push(record);
         }
         Ok(true)
     })?;
@@ -1163,9 +1164,7 @@ impl<'a> Iterator for EntryRecords<'a> {
                     }
                     None => {
                         self.rest = &[];
-                        return Some(Err(LogError::Store(format!(
-                            "record {seq} is malformed: its group is cut short"
-                        ))));
+                        return Some(Err(malformed_record(seq, "its group is cut short")));
                     }
                 }
             }
@@ -1253,8 +1252,8 @@ fn encoded_record_len(record: &AppendRecord) -> usize {
 /// records it returns.
 struct RecordParts<'a> {
     timestamp_ns: i64,
-    /// As stored: checked to be UTF-8 once, when the record is built ([`RecordParts::into_record`])
-    /// or matched against a filter. Checking it in the decode too was a sixth of a read step.
+    /// As stored: checked to be UTF-8 once, when the record is built ([`RecordParts::into_record`]).
+    /// Checking it in the decode too was a sixth of a read step's instructions.
     subject: &'a [u8],
     /// As stored: only the pruning reads it, as the key of its index entry, so a read does not
     /// check its encoding (checking it was a sixth of a read's instructions).
@@ -1268,22 +1267,18 @@ impl RecordParts<'_> {
     /// back through here, and a rebuild reads the whole log.
     fn into_record(self, seq: u64, value: &Bytes) -> LogResult<StoredRecord> {
         // `slice_ref` panics unless the slice lies inside `value`, which it was decoded from.
-        let subject = async_nats::Subject::from_utf8(value.slice_ref(self.subject)).map_err(|_| not_utf8(seq))?;
+        let subject = async_nats::Subject::from_utf8(value.slice_ref(self.subject))
+            .map_err(|_| malformed_record(seq, "subject is not UTF-8"))?;
         Ok(StoredRecord { seq, subject, timestamp_ns: self.timestamp_ns, payload: value.slice_ref(self.payload) })
-    }
-
-    /// The subject as text, for a filter.
-    fn subject_str(&self, seq: u64) -> LogResult<&str> {
-        std::str::from_utf8(self.subject).map_err(|_| not_utf8(seq))
     }
 }
 
-fn not_utf8(seq: u64) -> LogError {
-    LogError::Store(format!("record {seq} is malformed: subject is not UTF-8"))
+fn malformed_record(seq: u64, what: &str) -> LogError {
+    LogError::Store(format!("record {seq} is malformed: {what}"))
 }
 
 fn decode_record_parts(seq: u64, value: &[u8]) -> LogResult<RecordParts<'_>> {
-    let malformed = |what: &str| LogError::Store(format!("record {seq} is malformed: {what}"));
+    let malformed = |what: &str| malformed_record(seq, what);
     let mut rest = value;
     let mut take = |len: usize, what: &str| -> LogResult<&[u8]> {
         if rest.len() < len {
