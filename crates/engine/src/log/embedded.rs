@@ -133,6 +133,8 @@ const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// `EventLog::read` of a 600k-event log was 0.37–0.62 of a raw scan of the same tree with 1,024
 /// a step (four runs) and 0.65–0.67 with 4,096 (two runs; `REBUILD_EVENTS=600000 cargo bench -p
 /// anima-benches -- rebuild_embedded`, alternated); at 1M events, three runs gave 0.36–0.63.
+/// A long read reads one step ahead of its caller ([`ReadState`]), which at 1M events made the
+/// runner's rebuild 6–11% faster (two alternated pairs; README, "Figures", stop 46).
 const READ_CHUNK_RECORDS_MAX: usize = 4096;
 /// Payload bytes one read step returns before yielding.
 const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
@@ -365,7 +367,7 @@ impl EventLog for EmbeddedLog {
             filter.validate()?;
         }
         let bound = to_seq.min(self.current_last_seq());
-        let state = ReadState { tree: self.tree.clone(), layout: self.layout, next_seq: from_seq.max(1), filter };
+        let state = ReadState::new(self.tree.clone(), self.layout, from_seq, filter);
         let records = stream::unfold(Some(state), move |state| async move {
             let mut state = state?;
             if state.next_seq > bound {
@@ -387,7 +389,7 @@ impl EventLog for EmbeddedLog {
         if let Some(filter) = &filter {
             filter.validate()?;
         }
-        let state = ReadState { tree: self.tree.clone(), layout: self.layout, next_seq: from_seq.max(1), filter };
+        let state = ReadState::new(self.tree.clone(), self.layout, from_seq, filter);
         let last_seq = self.last_seq.clone();
         let records = stream::unfold(Some((state, last_seq)), |state| async move {
             let (mut state, mut last_seq) = state?;
@@ -449,22 +451,47 @@ struct ReadState {
     layout: RecordLayout,
     next_seq: u64,
     filter: Option<SubjectFilter>,
+    /// The step after the one the caller is working through, already reading on the blocking
+    /// pool (one step ahead at most, so at most two steps' records are in memory). It starts
+    /// when a step ends short of records already flushed, so a long read (a runner's catch-up
+    /// or rebuild, a replay) reads the next step while the caller folds this one, as the
+    /// JetStream client receives the next messages while they are folded. At the live tail a
+    /// step reads all that was flushed and nothing is read ahead. A stream dropped meanwhile
+    /// leaves that one step to finish and be thrown away.
+    ahead: Option<ReadStep>,
 }
 
+type ReadStep = tokio::task::JoinHandle<LogResult<(Vec<StoredRecord>, u64)>>;
+
 impl ReadState {
+    fn new(tree: sled::Tree, layout: RecordLayout, from_seq: u64, filter: Option<SubjectFilter>) -> Self {
+        ReadState { tree, layout, next_seq: from_seq.max(1), filter, ahead: None }
+    }
+
     /// Reads the next chunk in `next_seq..=bound` and advances past what it scanned. The chunk
-    /// may be empty when nothing scanned matched the filter.
+    /// may be empty when nothing scanned matched the filter. A step read ahead was started at
+    /// `next_seq` with a bound no higher than `bound` (bounds only grow), so what it read is
+    /// the start of this chunk's range: it is taken as this chunk.
     async fn next_chunk(&mut self, bound: u64) -> LogResult<Vec<StoredRecord>> {
+        let step = match self.ahead.take() {
+            Some(step) => step,
+            None => self.start_step(bound),
+        };
+        let (records, next_seq) =
+            step.await.map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
+        self.next_seq = next_seq;
+        if next_seq <= bound {
+            self.ahead = Some(self.start_step(bound));
+        }
+        Ok(records)
+    }
+
+    fn start_step(&self, bound: u64) -> ReadStep {
         let tree = self.tree.clone();
         let layout = self.layout;
         let filter = self.filter.clone();
         let from_seq = self.next_seq;
-        let (records, next_seq) =
-            tokio::task::spawn_blocking(move || read_chunk(&tree, layout, from_seq, bound, filter.as_ref()))
-                .await
-                .map_err(|e| LogError::Store(format!("embedded read task failed: {e}")))??;
-        self.next_seq = next_seq;
-        Ok(records)
+        tokio::task::spawn_blocking(move || read_chunk(&tree, layout, from_seq, bound, filter.as_ref()))
     }
 }
 
@@ -1462,6 +1489,65 @@ mod tests {
         assert_eq!(read(inside, None).await, expected(inside, &|_| true));
         let filter = SubjectFilter("anima.v1.agent.*".into());
         assert_eq!(read(2, Some(filter)).await, expected(2, &|n| n.is_multiple_of(5)));
+    }
+
+    /// A follow stream that starts more than a read step behind the head catches up through
+    /// steps read ahead, in order and with nothing twice, and then sees what is appended after
+    /// it caught up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follow_from_far_behind_catches_up_in_order_then_sees_new_appends() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let log = EmbeddedLog::open(db, EmbeddedConfig::default()).expect("open");
+        let behind = 3 * READ_CHUNK_RECORDS_MAX + 123;
+        let payload_of = |n: usize| Bytes::from(format!("payload {n}"));
+        let appended = |from: usize, to: usize| -> Vec<AppendRecord> {
+            (from..to)
+                .map(|n| AppendRecord {
+                    subject: "anima.v1.config".into(),
+                    msg_id: format!("id-{n}"),
+                    payload: payload_of(n),
+                })
+                .collect()
+        };
+        for start in (0..behind).step_by(1_000) {
+            log.append_batch(appended(start, (start + 1_000).min(behind))).await.expect("append");
+        }
+        let mut follow = log.follow(1, None).await.expect("follow");
+        for n in 0..behind {
+            let record = follow.next().await.expect("a record").expect("readable");
+            assert_eq!((record.seq, &record.payload), (n as u64 + 1, &payload_of(n)));
+        }
+        log.append_batch(appended(behind, behind + 10)).await.expect("append after catching up");
+        for n in behind..behind + 10 {
+            let record = tokio::time::timeout(std::time::Duration::from_secs(10), follow.next())
+                .await
+                .expect("the new record arrives")
+                .expect("a record")
+                .expect("readable");
+            assert_eq!((record.seq, &record.payload), (n as u64 + 1, &payload_of(n)));
+        }
+    }
+
+    /// A long read dropped after its first record, while its next step reads ahead, does not
+    /// keep the store open: once the log is dropped, the data dir closes and opens again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_dropped_part_way_lets_the_data_dir_close() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = crate::data_dir::open(dir.path(), 8 << 20, true).expect("open the data dir");
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        let records: Vec<AppendRecord> = (0..3 * READ_CHUNK_RECORDS_MAX)
+            .map(|n| record("anima.v1.config", &format!("id-{n}"), b"payload"))
+            .collect();
+        log.append_batch(records).await.expect("append");
+        let mut read = log.read(1, u64::MAX, None).await.expect("read");
+        assert_eq!(read.next().await.expect("a record").expect("readable").seq, 1);
+        drop(read);
+        drop(log);
+        crate::data_dir::close(db, dir.path(), std::time::Duration::from_secs(10)).expect("the data dir closes");
+        let reopened = crate::data_dir::open(dir.path(), 8 << 20, false).expect("the data dir opens again");
+        let log = EmbeddedLog::open(reopened, EmbeddedConfig::default()).expect("open again");
+        assert_eq!(log.last_seq().await.expect("last seq"), 3 * READ_CHUNK_RECORDS_MAX as u64);
     }
 
     /// A stored subject that is not UTF-8 (a damaged store) fails the read of its record with an
