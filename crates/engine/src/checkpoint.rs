@@ -409,6 +409,29 @@ impl CheckpointStore {
         &self.tree
     }
 
+    /// The whole checkpointed state, every entry in memory (those a restore leaves in the store
+    /// too), as one snapshot of the store shows it while the runner goes on writing: the state of
+    /// the fold at the checkpoint's applied seq (its meta says which; `replay verify` compares
+    /// the two). `None` when there is no checkpoint, or it was taken by another fold version or
+    /// on another stream than `stream_identity`. Reads O(state) entries, never the log: a
+    /// rebuild that would otherwise fold the log from its start (`Replay.StateAt`'s first call)
+    /// starts here. Blocking; call it off the async workers.
+    pub fn load_whole(&self, stream_identity: &str) -> Result<Option<State>, CheckpointError> {
+        use fjall::Readable as _;
+        let snapshot = self.db.db.snapshot();
+        let version_ok =
+            snapshot.get(&self.tree, FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
+        let stream_ok = snapshot.get(&self.tree, STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
+        if !(version_ok && stream_ok) {
+            return Ok(None);
+        }
+        let mut state = State::new();
+        for (key, value) in scan_state_entries(|key| snapshot.prefix(&self.tree, key), &[])? {
+            state.load_entry(&key, &value)?;
+        }
+        Ok((state.meta.applied_seq > 0).then_some(state))
+    }
+
     /// The applied seq of the stored checkpoint (0 when none), for tools and tests.
     pub fn checkpointed_seq(&self) -> Result<u64, CheckpointError> {
         match self.tree.get([STATE_PREFIX, 0])? {
@@ -553,8 +576,17 @@ fn state_get(tree: &fjall::Keyspace, key: &[u8]) -> Result<Option<Vec<u8>>, Chec
 /// Every stored state entry whose key starts with `prefix` (state keys), in key-byte order,
 /// with the entries of slot pages given back one by one.
 pub fn state_scan(tree: &fjall::Keyspace, prefix: &[u8]) -> Result<anima_projections::cold::Entries, CheckpointError> {
+    scan_state_entries(|key| tree.prefix(key), prefix)
+}
+
+/// [`state_scan`] through `prefix_of`, which iterates the stored entries under a store key
+/// prefix (of the tree as it is, or of one snapshot of the store).
+fn scan_state_entries(
+    prefix_of: impl Fn(Vec<u8>) -> fjall::Iter,
+    prefix: &[u8],
+) -> Result<anima_projections::cold::Entries, CheckpointError> {
     let mut out = Vec::new();
-    for entry in tree.prefix(state_key(prefix)) {
+    for entry in prefix_of(state_key(prefix)) {
         let (key, value) = entry.into_inner()?;
         if !slot_page::is_page_tag(key.get(1).copied().unwrap_or(0)) {
             out.push((key[1..].to_vec(), value.to_vec()));
@@ -562,7 +594,7 @@ pub fn state_scan(tree: &fjall::Keyspace, prefix: &[u8]) -> Result<anima_project
     }
     let page_prefixes = slot_page::page_scan_prefixes(prefix);
     for page_prefix in &page_prefixes {
-        for entry in tree.prefix(state_key(page_prefix)) {
+        for entry in prefix_of(state_key(page_prefix)) {
             let (page_key, page) = entry.into_inner()?;
             let entries = slot_page::page_entries(&page_key[1..], &page)?;
             out.extend(entries.into_iter().filter(|(key, _)| key.starts_with(prefix)));

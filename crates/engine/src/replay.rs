@@ -285,6 +285,9 @@ pub struct Replayer {
     config: ReplayConfig,
     /// Rebuilt states by the sequence they were folded to.
     snapshots: Mutex<BTreeMap<u64, Arc<Rebuilt>>>,
+    /// The runner's checkpoint of this log, where a rebuild that has no snapshot to start from
+    /// starts instead of the log's first event (see [`Replayer::with_checkpoint`]).
+    checkpoint: Option<crate::checkpoint::CheckpointStore>,
 }
 
 impl std::fmt::Debug for Replayer {
@@ -295,7 +298,42 @@ impl std::fmt::Debug for Replayer {
 
 impl Replayer {
     pub fn new(log: Arc<dyn EventLog>, config: ReplayConfig) -> Self {
-        Replayer { log, config, snapshots: Mutex::new(BTreeMap::new()) }
+        Replayer { log, config, snapshots: Mutex::new(BTreeMap::new()), checkpoint: None }
+    }
+
+    /// Starts rebuilds that have no snapshot at or before their point from `checkpoint` (the
+    /// runner's checkpoint of this log) when it was taken at or before that point: the state
+    /// loaded whole from the store, O(state), then the events after it, instead of every event
+    /// from the first. A server's first `Replay.StateAt` (or `Explain`) at the log's head folded
+    /// its whole history before; points before the checkpoint still fold from the start. A
+    /// checkpoint that cannot be used (another fold version or stream, unreadable, or ahead of
+    /// the point by the time it is read) is passed over, and the rebuild folds from the start.
+    pub fn with_checkpoint(mut self, checkpoint: crate::checkpoint::CheckpointStore) -> Self {
+        self.checkpoint = Some(checkpoint);
+        self
+    }
+
+    /// The checkpoint's state as a start for a rebuild to `seq`, when there is one at or before
+    /// `seq` (see [`Replayer::with_checkpoint`]).
+    async fn checkpoint_start(&self, seq: u64) -> Result<Option<Rebuilt>, ReplayError> {
+        let Some(checkpoint) = self.checkpoint.clone() else { return Ok(None) };
+        match checkpoint.checkpointed_seq() {
+            Ok(at) if at > 0 && at <= seq => {}
+            _ => return Ok(None),
+        }
+        let stream_identity = self.log.identity();
+        let state = match off_the_workers(move || checkpoint.load_whole(&stream_identity)).await? {
+            Ok(Some(state)) if state.meta.applied_seq <= seq => state,
+            Ok(_) => return Ok(None),
+            Err(e) => {
+                tracing::warn!(error = %e, "the checkpoint cannot be read; rebuilding from the log's start");
+                return Ok(None);
+            }
+        };
+        let at = state.meta.applied_seq;
+        let Some(record) = self.log.get(at).await? else { return Ok(None) };
+        tracing::debug!(seq = at, "rebuild starts from the runner's checkpoint");
+        Ok(Some(Rebuilt { state, seq: at, log_time_ns: record.timestamp_ns }))
     }
 
     pub fn log(&self) -> &Arc<dyn EventLog> {
@@ -450,6 +488,7 @@ impl Replayer {
         // Copied after the lock is let go: a copy of a whole state takes seconds at a fleet's
         // history, and every other rebuild waits on the lock.
         let start = match start {
+            Ok(owned) if owned.seq == 0 => self.checkpoint_start(seq).await?.unwrap_or(owned),
             Ok(owned) => owned,
             Err(shared) => owned(shared).await?,
         };

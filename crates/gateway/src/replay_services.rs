@@ -14,6 +14,7 @@ use std::collections::BTreeSet;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use anima_engine::checkpoint::CheckpointStore;
 use anima_engine::replay::{
     self, off_the_workers, CursorFacts, EventFilter, Explanation, LogPoint, LogRange, ReadQuery, Rebuilt, ReplayConfig,
     ReplayError, ReplayedEvent, Replayer,
@@ -447,8 +448,11 @@ pub struct ReplayServices {
 }
 
 impl ReplayServices {
-    pub fn new(engine: Engine, shutdown: CancellationToken) -> Self {
-        let replayer = Arc::new(Replayer::new(engine.log().clone(), ReplayConfig::default()));
+    /// `checkpoints`: the runner's checkpoint store, where a `StateAt` or `Explain` with no
+    /// kept snapshot before its point starts instead of the log's first event.
+    pub fn new(engine: Engine, checkpoints: CheckpointStore, shutdown: CancellationToken) -> Self {
+        let replayer =
+            Arc::new(Replayer::new(engine.log().clone(), ReplayConfig::default()).with_checkpoint(checkpoints));
         ReplayServices { engine, replayer, shutdown }
     }
 }

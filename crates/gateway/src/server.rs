@@ -350,7 +350,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         .context("building the reflection service (v1alpha)")?;
     let services = Services { engine: engine.clone(), shutdown: shutdown.clone(), metrics: metrics.clone() };
     // One replayer (and its snapshots) for both services.
-    let replay_services = ReplayServices::new(engine.clone(), shutdown.clone());
+    let replay_services = ReplayServices::new(engine.clone(), checkpoints.clone(), shutdown.clone());
     // Outermost first: refusals are counted, auth refusals included.
     let router = builder
         .layer(RefusalLayer(metrics.clone()))

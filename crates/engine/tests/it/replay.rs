@@ -622,3 +622,100 @@ async fn released(dir: &std::path::Path) {
         .unwrap()
         .unwrap();
 }
+
+/// The log of an instance, noting where each `read` starts.
+struct ReadsNoted {
+    inner: Arc<dyn EventLog>,
+    starts: std::sync::Mutex<Vec<u64>>,
+}
+
+#[async_trait::async_trait]
+impl EventLog for ReadsNoted {
+    fn identity(&self) -> String {
+        self.inner.identity()
+    }
+    fn subjects(&self) -> &Subjects {
+        self.inner.subjects()
+    }
+    async fn append(&self, record: AppendRecord) -> anima_engine::log::LogResult<anima_engine::log::AppendOutcome> {
+        self.inner.append(record).await
+    }
+    async fn append_batch(
+        &self,
+        records: Vec<AppendRecord>,
+    ) -> anima_engine::log::LogResult<Vec<anima_engine::log::AppendOutcome>> {
+        self.inner.append_batch(records).await
+    }
+    async fn read(
+        &self,
+        from_seq: u64,
+        to_seq: u64,
+        filter: Option<anima_engine::log::SubjectFilter>,
+    ) -> anima_engine::log::LogResult<
+        futures::stream::BoxStream<'static, anima_engine::log::LogResult<anima_engine::log::StoredRecord>>,
+    > {
+        self.starts.lock().unwrap().push(from_seq);
+        self.inner.read(from_seq, to_seq, filter).await
+    }
+    async fn follow(
+        &self,
+        from_seq: u64,
+        filter: Option<anima_engine::log::SubjectFilter>,
+    ) -> anima_engine::log::LogResult<
+        futures::stream::BoxStream<'static, anima_engine::log::LogResult<anima_engine::log::StoredRecord>>,
+    > {
+        self.inner.follow(from_seq, filter).await
+    }
+    async fn get(&self, seq: u64) -> anima_engine::log::LogResult<Option<anima_engine::log::StoredRecord>> {
+        self.inner.get(seq).await
+    }
+    async fn last_seq(&self) -> anima_engine::log::LogResult<u64> {
+        self.inner.last_seq().await
+    }
+}
+
+/// A server's replayer starts a rebuild that has no snapshot before its point from the runner's
+/// checkpoint, when the checkpoint is at or before the point: it reads no event up to the
+/// checkpoint, and the state and an explanation equal those of a fold from the log's start. A
+/// point before the checkpoint is still folded from the start.
+#[tokio::test]
+async fn a_rebuild_past_the_checkpoint_starts_from_it_and_equals_a_fold_from_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (instance, _) = instance_after_incident(dir.path()).await;
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+    let instance = start_instance(dir.path()).await;
+    let checkpointed = instance.checkpoints.checkpointed_seq().unwrap();
+    assert_eq!(checkpointed, 9, "the instance closed with a checkpoint of the incident");
+    instance.engine.log().append(send(10)).await.unwrap();
+    instance.engine.projection().wait_applied(10, WAIT).await.unwrap();
+    let live = instance.engine.projection().state().canonical_bytes();
+
+    let noted = Arc::new(ReadsNoted { inner: instance.engine.log().clone(), starts: Default::default() });
+    let from_checkpoint =
+        Replayer::new(noted.clone(), ReplayConfig::default()).with_checkpoint(instance.checkpoints.clone());
+    let from_start = Replayer::new(instance.engine.log().clone(), ReplayConfig::default());
+    let ten = from_checkpoint.rebuild(Some(LogPoint::Seq(10))).await.unwrap();
+    assert_eq!(ten.state.canonical_bytes(), live, "the rebuild equals the live fold");
+    let starts = noted.starts.lock().unwrap().clone();
+    assert!(starts.iter().all(|&from| from > checkpointed), "no event up to the checkpoint was read: {starts:?}");
+    assert_eq!(ten.state_sha256(), from_start.rebuild(Some(LogPoint::Seq(10))).await.unwrap().state_sha256());
+    assert_eq!(ten.seq, 10);
+    assert_eq!(ten.log_time_ns, instance.engine.log().get(10).await.unwrap().unwrap().timestamp_ns);
+    let explained = Replayer::new(noted.clone(), ReplayConfig::default())
+        .with_checkpoint(instance.checkpoints.clone())
+        .explain(10)
+        .await
+        .unwrap();
+    assert_eq!(format!("{explained:?}"), format!("{:?}", from_start.explain(10).await.unwrap()));
+
+    noted.starts.lock().unwrap().clear();
+    let before = Replayer::new(noted.clone(), ReplayConfig::default()).with_checkpoint(instance.checkpoints.clone());
+    let five = before.rebuild(Some(LogPoint::Seq(5))).await.unwrap();
+    assert_eq!(
+        five.state.canonical_bytes(),
+        from_start.rebuild(Some(LogPoint::Seq(5))).await.unwrap().state.canonical_bytes()
+    );
+    assert_eq!(noted.starts.lock().unwrap().first(), Some(&1), "a point before the checkpoint folds from the start");
+    drop((from_checkpoint, from_start, before, noted));
+    instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+}
