@@ -271,7 +271,10 @@ impl Source {
         match direct(args).await {
             Ok(source) => {
                 eprintln!("replay: reading the {}", source.description);
-                let replayer = Replayer::new(source.log.clone(), replay_config(args, reporter));
+                let mut replayer = Replayer::new(source.log.clone(), replay_config(args, reporter));
+                if let Some(checkpoint) = source.checkpoint_store() {
+                    replayer = replayer.with_checkpoint(checkpoint);
+                }
                 Ok(Source::Direct { _source: source, replayer })
             }
             Err(ReplayError::Locked { path }) => {

@@ -708,6 +708,25 @@ async fn a_rebuild_past_the_checkpoint_starts_from_it_and_equals_a_fold_from_the
         .unwrap();
     assert_eq!(format!("{explained:?}"), format!("{:?}", from_start.explain(10).await.unwrap()));
 
+    // A kept snapshot before the point is folded on from while it is close enough; once it is
+    // further behind than the configured distance, the checkpoint between them is the start.
+    for (distance, starts_at_checkpoint) in
+        [(ReplayConfig::default().checkpoint_over_snapshot_events_min, false), (5, true)]
+    {
+        let config = ReplayConfig { checkpoint_over_snapshot_events_min: distance, ..ReplayConfig::default() };
+        let replayer = Replayer::new(noted.clone(), config).with_checkpoint(instance.checkpoints.clone());
+        replayer.rebuild(Some(LogPoint::Seq(2))).await.unwrap();
+        noted.starts.lock().unwrap().clear();
+        let ten = replayer.rebuild(Some(LogPoint::Seq(10))).await.unwrap();
+        assert_eq!(ten.state.canonical_bytes(), live, "distance {distance}");
+        let starts = noted.starts.lock().unwrap().clone();
+        if starts_at_checkpoint {
+            assert!(starts.iter().all(|&from| from > checkpointed), "distance {distance}: {starts:?}");
+        } else {
+            assert_eq!(starts, vec![3], "distance {distance}: folded on from the snapshot at 2");
+        }
+    }
+
     noted.starts.lock().unwrap().clear();
     let before = Replayer::new(noted.clone(), ReplayConfig::default()).with_checkpoint(instance.checkpoints.clone());
     let five = before.rebuild(Some(LogPoint::Seq(5))).await.unwrap();
@@ -718,4 +737,13 @@ async fn a_rebuild_past_the_checkpoint_starts_from_it_and_equals_a_fold_from_the
     assert_eq!(noted.starts.lock().unwrap().first(), Some(&1), "a point before the checkpoint folds from the start");
     drop((from_checkpoint, from_start, before, noted));
     instance.close(data_dir::RELEASE_WAIT_DEFAULT).await.unwrap();
+
+    // The replay tool's direct source starts from the data dir's checkpoint the same way.
+    let source = DirectSource::open_data_dir(dir.path()).unwrap();
+    let checkpoint = source.checkpoint_store().expect("the data dir's checkpoint");
+    let noted = Arc::new(ReadsNoted { inner: source.log.clone(), starts: Default::default() });
+    let head =
+        Replayer::new(noted.clone(), ReplayConfig::default()).with_checkpoint(checkpoint).rebuild(None).await.unwrap();
+    assert_eq!(head.state.canonical_bytes(), live);
+    assert!(noted.starts.lock().unwrap().iter().all(|&from| from > checkpointed));
 }
