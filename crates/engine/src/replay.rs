@@ -229,7 +229,7 @@ pub struct ReplayConfig {
     /// rebuild starts from the runner's checkpoint instead, when the checkpoint lies between the
     /// two ([`Replayer::with_checkpoint`]). Loading the checkpoint costs O(state), folding from
     /// the snapshot O(events): on the scale figure's history (10,000 agents, 100,000 surfaces,
-    /// 1.6M events) the load took 5.2–5.4 s and the replay tool folded about 95,000 events a
+    /// 1.6M events) the load took 4.7–5.2 s and the replay tool folded about 95,000 events a
     /// second, so there the load is worth about half a million events (README, "Figures",
     /// stop 46). A smaller fleet's state loads sooner.
     pub checkpoint_over_snapshot_events_min: u64,
