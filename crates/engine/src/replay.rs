@@ -295,8 +295,8 @@ pub struct Replayer {
     config: ReplayConfig,
     /// Rebuilt states by the sequence they were folded to.
     snapshots: Mutex<BTreeMap<u64, Arc<Rebuilt>>>,
-    /// The runner's checkpoint of this log, where a rebuild that has no snapshot to start from
-    /// starts instead of the log's first event (see [`Replayer::with_checkpoint`]).
+    /// The runner's checkpoint of this log, where a rebuild with no snapshot close enough before
+    /// its point starts (see [`Replayer::with_checkpoint`]).
     checkpoint: Option<crate::checkpoint::CheckpointStore>,
 }
 
@@ -311,13 +311,15 @@ impl Replayer {
         Replayer { log, config, snapshots: Mutex::new(BTreeMap::new()), checkpoint: None }
     }
 
-    /// Starts rebuilds that have no snapshot at or before their point from `checkpoint` (the
-    /// runner's checkpoint of this log) when it was taken at or before that point: the state
-    /// loaded whole from the store, O(state), then the events after it, instead of every event
-    /// from the first. A server's first `Replay.StateAt` (or `Explain`) at the log's head folded
-    /// its whole history before; points before the checkpoint still fold from the start. A
-    /// checkpoint that cannot be used (another fold version or stream, unreadable, or ahead of
-    /// the point by the time it is read) is passed over, and the rebuild folds from the start.
+    /// Starts rebuilds from `checkpoint` (the runner's checkpoint of this log) when it was taken
+    /// at or before their point and they have no kept snapshot before the point, or only one
+    /// further behind than [`ReplayConfig::checkpoint_over_snapshot_events_min`] and older than
+    /// the checkpoint: the state loaded whole from the store, O(state), then the events after
+    /// it, instead of every event from the first (or from the far snapshot). A server's first
+    /// `Replay.StateAt` (or `Explain`) at the log's head folded its whole history before; points
+    /// before the checkpoint still fold from the start. A checkpoint that cannot be used
+    /// (another fold version or stream, unreadable, or moved past the point by the time it is
+    /// read) is passed over, and the rebuild starts as it would without one.
     pub fn with_checkpoint(mut self, checkpoint: crate::checkpoint::CheckpointStore) -> Self {
         self.checkpoint = Some(checkpoint);
         self
@@ -337,7 +339,7 @@ impl Replayer {
             Ok(Some(state)) if state.meta.applied_seq > after && state.meta.applied_seq <= seq => state,
             Ok(_) => return Ok(None),
             Err(e) => {
-                tracing::warn!(error = %e, "the checkpoint cannot be read; rebuilding from the log's start");
+                tracing::warn!(error = %e, "the checkpoint cannot be read; the rebuild does not start from it");
                 return Ok(None);
             }
         };

@@ -273,6 +273,12 @@ impl Source {
                 eprintln!("replay: reading the {}", source.description);
                 let mut replayer = Replayer::new(source.log.clone(), replay_config(args, reporter));
                 if let Some(checkpoint) = source.checkpoint_store() {
+                    if let Ok(seq @ 1..) = checkpoint.checkpointed_seq() {
+                        eprintln!(
+                            "replay: a state at or after seq {seq} starts from the data dir's checkpoint (its whole \
+                             state is loaded first)"
+                        );
+                    }
                     replayer = replayer.with_checkpoint(checkpoint);
                 }
                 Ok(Source::Direct { _source: source, replayer })

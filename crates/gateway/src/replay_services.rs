@@ -448,8 +448,8 @@ pub struct ReplayServices {
 }
 
 impl ReplayServices {
-    /// `checkpoints`: the runner's checkpoint store, where a `StateAt` or `Explain` with no
-    /// kept snapshot before its point starts instead of the log's first event.
+    /// `checkpoints`: the runner's checkpoint store, where a `StateAt` or `Explain` with no kept
+    /// snapshot close enough before its point starts (see `Replayer::with_checkpoint`).
     pub fn new(engine: Engine, checkpoints: CheckpointStore, shutdown: CancellationToken) -> Self {
         let replayer =
             Arc::new(Replayer::new(engine.log().clone(), ReplayConfig::default()).with_checkpoint(checkpoints));

@@ -133,8 +133,9 @@ const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// `EventLog::read` of a 600k-event log was 0.37–0.62 of a raw scan of the same tree with 1,024
 /// a step (four runs) and 0.65–0.67 with 4,096 (two runs; `REBUILD_EVENTS=600000 cargo bench -p
 /// anima-benches -- rebuild_embedded`, alternated); at 1M events, three runs gave 0.36–0.63.
-/// A long read reads one step ahead of its caller ([`ReadState`]), which at 1M events made the
-/// runner's rebuild 6–11% faster (two alternated pairs; README, "Figures", stop 46).
+/// A long read reads one step ahead of its caller ([`ReadState`]), which made the
+/// runner's rebuild 6–16% faster (four alternated pairs at 600k and 1M events; README,
+/// "Figures", stop 46).
 const READ_CHUNK_RECORDS_MAX: usize = 4096;
 /// Payload bytes one read step returns before yielding.
 const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
