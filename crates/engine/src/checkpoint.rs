@@ -44,6 +44,8 @@ pub const STREAM_KEY: &[u8] = b"m:stream";
 /// (aborted while its write still waited on the checkpoint thread, a crash simulated in-process) can
 /// never land a write after its successor's: a checkpoint is never a mix of two runners.
 pub const EPOCH_KEY: &[u8] = b"m:epoch";
+/// The store key of the fold's meta entry (state key `[0]`), which holds the applied seq.
+const META_KEY: [u8; 2] = [STATE_PREFIX, 0];
 
 /// The folder of a data dir that holds the checkpoint store.
 pub const CHECKPOINT_DIR: &str = "checkpoints";
@@ -412,32 +414,41 @@ impl CheckpointStore {
     /// The whole checkpointed state, every entry in memory (those a restore leaves in the store
     /// too), as one snapshot of the store shows it while the runner goes on writing: the state of
     /// the fold at the checkpoint's applied seq (its meta says which; `replay verify` compares
-    /// the two). `None` when there is no checkpoint, or it was taken by another fold version or
-    /// on another stream than `stream_identity`. Reads O(state) entries, never the log: a
-    /// rebuild that would otherwise fold the log from its start (`Replay.StateAt`'s first call)
-    /// starts here. Blocking; call it off the async workers.
-    pub fn load_whole(&self, stream_identity: &str) -> Result<Option<State>, CheckpointError> {
+    /// the two). `None` when there is no checkpoint, its applied seq is not in `seqs`, or it was
+    /// taken by another fold version or on another stream than `stream_identity`; those are
+    /// looked at in the snapshot before anything else is read. Reads O(state) entries, never
+    /// the log: a rebuild that would otherwise fold the log from its start (`Replay.StateAt`'s
+    /// first call) starts here. Blocking; call it off the async workers.
+    pub fn load_whole(
+        &self,
+        stream_identity: &str,
+        seqs: std::ops::RangeInclusive<u64>,
+    ) -> Result<Option<State>, CheckpointError> {
         use fjall::Readable as _;
         let snapshot = self.db.db.snapshot();
+        let mut state = State::new();
+        match snapshot.get(&self.tree, META_KEY)? {
+            Some(meta) => state.load_entry(&META_KEY[1..], &meta)?,
+            None => return Ok(None),
+        }
         let version_ok =
             snapshot.get(&self.tree, FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
         let stream_ok = snapshot.get(&self.tree, STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
-        if !(version_ok && stream_ok) {
+        if !(version_ok && stream_ok && seqs.contains(&state.meta.applied_seq)) {
             return Ok(None);
         }
-        let mut state = State::new();
         for (key, value) in scan_state_entries(|key| snapshot.prefix(&self.tree, key), &[])? {
             state.load_entry(&key, &value)?;
         }
-        Ok((state.meta.applied_seq > 0).then_some(state))
+        Ok(Some(state))
     }
 
     /// The applied seq of the stored checkpoint (0 when none), for tools and tests.
     pub fn checkpointed_seq(&self) -> Result<u64, CheckpointError> {
-        match self.tree.get([STATE_PREFIX, 0])? {
+        match self.tree.get(META_KEY)? {
             Some(value) => {
                 let mut state = State::new();
-                state.load_entry(&[0], &value)?;
+                state.load_entry(&META_KEY[1..], &value)?;
                 Ok(state.meta.applied_seq)
             }
             None => Ok(0),

@@ -229,7 +229,7 @@ pub struct ReplayConfig {
     /// rebuild starts from the runner's checkpoint instead, when the checkpoint lies between the
     /// two ([`Replayer::with_checkpoint`]). Loading the checkpoint costs O(state), folding from
     /// the snapshot O(events): on the scale figure's history (10,000 agents, 100,000 surfaces,
-    /// 1.6M events) the load took 4.7–5.2 s and the replay tool folded about 95,000 events a
+    /// 1.6M events) the load took 4.5–5.2 s and the replay tool folded about 95,000 events a
     /// second, so there the load is worth about half a million events (README, "Figures",
     /// stop 46). A smaller fleet's state loads sooner.
     pub checkpoint_over_snapshot_events_min: u64,
@@ -329,15 +329,12 @@ impl Replayer {
     /// `seq` and after `after` (see [`Replayer::with_checkpoint`]).
     async fn checkpoint_start(&self, seq: u64, after: u64) -> Result<Option<Rebuilt>, ReplayError> {
         let Some(checkpoint) = self.checkpoint.clone() else { return Ok(None) };
-        match checkpoint.checkpointed_seq() {
-            Ok(at) if at > after && at <= seq => {}
-            _ => return Ok(None),
-        }
         let stream_identity = self.log.identity();
         let started = Instant::now();
-        let state = match off_the_workers(move || checkpoint.load_whole(&stream_identity)).await? {
-            Ok(Some(state)) if state.meta.applied_seq > after && state.meta.applied_seq <= seq => state,
-            Ok(_) => return Ok(None),
+        let seqs = after.saturating_add(1)..=seq;
+        let state = match off_the_workers(move || checkpoint.load_whole(&stream_identity, seqs)).await? {
+            Ok(Some(state)) => state,
+            Ok(None) => return Ok(None),
             Err(e) => {
                 tracing::warn!(error = %e, "the checkpoint cannot be read; the rebuild does not start from it");
                 return Ok(None);

@@ -134,7 +134,7 @@ const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// a step (four runs) and 0.65–0.67 with 4,096 (two runs; `REBUILD_EVENTS=600000 cargo bench -p
 /// anima-benches -- rebuild_embedded`, alternated); at 1M events, three runs gave 0.36–0.63.
 /// A long read reads one step ahead of its caller ([`ReadState`]), which made the
-/// runner's rebuild 6–16% faster (four alternated pairs at 600k and 1M events; README,
+/// runner's rebuild 5–16% faster (four alternated pairs at 600k and 1M events; README,
 /// "Figures", stop 46).
 const READ_CHUNK_RECORDS_MAX: usize = 4096;
 /// Payload bytes one read step returns before yielding.
