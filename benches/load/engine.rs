@@ -260,6 +260,17 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The machine's page cache not yet written to disk: `Dirty` + `Writeback` of `/proc/meminfo`,
+/// KiB.
+pub fn unwritten_kib() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = meminfo.lines().find(|l| l.split(':').next() == Some(name))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    };
+    Some(field("Dirty")? + field("Writeback")?)
+}
+
 /// CPU time (user + system) a process has used, in seconds, from `/proc/<pid>/stat` ("self" for
 /// this process). Assumes the usual 100 clock ticks a second (`getconf CLK_TCK`).
 pub fn cpu_seconds(pid: &str) -> Option<f64> {

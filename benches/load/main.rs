@@ -112,6 +112,13 @@ struct Args {
     /// the UTC time it was answered, to match with the engine's and nats-server's logs.
     #[arg(long, default_value_t = 100)]
     slow_call_ms: u64,
+    /// Do not write the machine's page cache out (`sync`) before the load starts. By default the
+    /// tool does: the kernel writes a file's data back once it is 30 s old, and while it writes
+    /// back what another process left (a build just before the run writes hundreds of MiB) the
+    /// engine's log syncs wait behind it. Measured: 400 MiB written just before a run stalled a
+    /// group commit 365 ms, 31 s in; the same with a `sync` between, no commit over 25 ms.
+    #[arg(long)]
+    no_sync_first: bool,
 }
 
 impl Args {
@@ -162,6 +169,8 @@ struct Sample {
     /// holds the stream's duplicate-window index (every msg id of the last 10 minutes).
     nats_rss_kib: Option<u64>,
     nats_cpu_seconds: Option<f64>,
+    /// The machine's page cache not yet on disk (Dirty + Writeback), KiB.
+    unwritten_kib: Option<u64>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -239,6 +248,7 @@ async fn drive(args: &Args, backend_name: &str, engine: &mut EngineProcess) -> a
     }
     let fleet = Arc::new(Fleet::new(args.agents, args.surfaces));
     workload::register_agents(&fleet, channels[0].clone()).await?;
+    write_page_cache_out(!args.no_sync_first).await;
 
     let stop = CancellationToken::new();
     let slow_call = (args.slow_call_ms > 0).then(|| Duration::from_millis(args.slow_call_ms));
@@ -415,6 +425,29 @@ fn spawn_load(
 }
 
 /// Probes `/metrics` and the engine's RSS every [`SAMPLE_INTERVAL`] until `stop`.
+/// Says how much of the machine's page cache is not yet on disk and, when `sync_first`, writes it
+/// all out first (see `--no-sync-first`), so that what the run measures is the engine's own disk
+/// traffic, not the writeback of files another process wrote just before.
+async fn write_page_cache_out(sync_first: bool) {
+    let mib =
+        |kib: Option<u64>| kib.map_or_else(|| "unknown".to_owned(), |kib| format!("{:.0} MiB", kib as f64 / 1024.0));
+    let before = engine::unwritten_kib();
+    if !sync_first {
+        eprintln!("anima-load: the page cache holds {} not yet on disk; not synced (--no-sync-first)", mib(before));
+        return;
+    }
+    let started = Instant::now();
+    // `sync` blocks until the writeback ends: off the runtime's workers.
+    let synced = tokio::task::spawn_blocking(rustix::fs::sync).await.is_ok();
+    eprintln!(
+        "anima-load: the page cache held {} not yet on disk; {} in {:.2} s before the load ({} after)",
+        mib(before),
+        if synced { "written out (sync)" } else { "the sync failed" },
+        started.elapsed().as_secs_f64(),
+        mib(engine::unwritten_kib())
+    );
+}
+
 async fn sample_engine(
     (pid, nats_pid): (u32, Option<u32>),
     metrics_addr: std::net::SocketAddr,
@@ -438,6 +471,7 @@ async fn sample_engine(
             load_cpu_seconds: engine::cpu_seconds("self"),
             nats_rss_kib: nats_pid.and_then(engine::rss_kib),
             nats_cpu_seconds: nats_pid.and_then(|pid| engine::cpu_seconds(&pid.to_string())),
+            unwritten_kib: engine::unwritten_kib(),
         };
         samples.lock().expect("samples lock").push(sample);
     }
@@ -686,6 +720,16 @@ impl Report {
                     last as f64 / 1024.0,
                     nats.iter().map(|&(_, r, _)| r).max().unwrap_or(0) as f64 / 1024.0,
                     (cpu1 - cpu0) / (t1 - t0).max(0.001) * 100.0
+                ));
+            }
+            // The whole machine's, not only the engine's: another process's writeback slows the
+            // engine's syncs as much as the engine's own (see `--no-sync-first`).
+            if let Some((at, kib)) =
+                samples.iter().filter_map(|s| Some((s.at_seconds, s.unwritten_kib?))).max_by_key(|&(_, kib)| kib)
+            {
+                out.push_str(&format!(
+                    "machine's page cache not yet on disk (Dirty + Writeback): max {:.0} MiB, {at:.0} s in\n",
+                    kib as f64 / 1024.0
                 ));
             }
             out.push_str(&format!(

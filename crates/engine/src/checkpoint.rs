@@ -54,20 +54,24 @@ pub const CHECKPOINT_TREE_PREFIX: &str = "checkpoint-";
 /// Name of the checkpoint of the embedded log in a data dir.
 pub const EMBEDDED_CHECKPOINT_TREE: &str = "checkpoint-embedded";
 /// Memory of the checkpoint store's write buffer (one memtable, then sealed ones while they are
-/// written out; each sealed memtable becomes a sorted table on disk within seconds). Under
-/// `anima-load` on JetStream, with fjall's defaults (64 MiB memtables, two background threads at
-/// normal priority) requests stalled 100–200 ms about every 25 s, as each memtable was written
-/// out: 4,711 calls took 100 ms or more in 300 s. With 16 MiB memtables and one background
-/// thread at the checkpoint thread's priority, 569 did (none with sled). README, "The
-/// checkpoint store".
-const MEMTABLE_BYTES: u64 = 16 * 1024 * 1024;
+/// written out; each sealed memtable becomes a sorted table on disk within seconds, synced when
+/// written). Under `anima-load` on JetStream, with fjall's defaults (64 MiB memtables, two
+/// background threads at normal priority) requests stalled 100–200 ms about every 25 s, as each
+/// memtable was written out: 4,711 calls took 100 ms or more in 300 s. With 16 MiB memtables and
+/// one background thread at the checkpoint thread's priority, 569 did (none with sled). On the
+/// embedded log a table's sync and the log's group-commit syncs share the disk: in a sampled run
+/// both group commits over 25 ms ended as fjall's worker wrote out about 10 MB. With 8 MiB
+/// memtables and 4 MiB tables (below), 10-minute embedded runs had 10 group commits over 25 ms
+/// against 103 with 16 and 8 MiB, and 17 Sends of 100 ms or more against 110 (one run each,
+/// throughput level). README, "The checkpoint store" and stop 47.
+const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
 /// The size of the sorted tables that merges write (fjall's default is 64 MiB). A table is
 /// synced to disk when it is written, on the disk the embedded log's group commits sync to.
 /// Under `anima-load` (embedded, 300 s, one run each) the calls that took 100 ms or more fell
 /// from 2,715 with 64 MiB tables to 201 with 8 MiB, and a variant that merged four times less
 /// often but as much each time (16 tables waiting instead of 4) had 3,868 (README, "The
-/// checkpoint store"). That the syncs are what the slow calls wait on is a reading, not traced.
-const TABLE_BYTES: u64 = 8 * 1024 * 1024;
+/// checkpoint store"); 4 MiB with the 8 MiB memtables above (stop 47).
+const TABLE_BYTES: u64 = 4 * 1024 * 1024;
 /// The checkpoint store's cache of its tables' blocks when nothing else is configured.
 pub const CHECKPOINT_CACHE_BYTES_DEFAULT: u64 = 64 * 1024 * 1024;
 
