@@ -424,7 +424,6 @@ fn spawn_load(
     }
 }
 
-/// Probes `/metrics` and the engine's RSS every [`SAMPLE_INTERVAL`] until `stop`.
 /// Says how much of the machine's page cache is not yet on disk and, when `sync_first`, writes it
 /// all out first (see `--no-sync-first`), so that what the run measures is the engine's own disk
 /// traffic, not the writeback of files another process wrote just before.
@@ -437,17 +436,19 @@ async fn write_page_cache_out(sync_first: bool) {
         return;
     }
     let started = Instant::now();
-    // `sync` blocks until the writeback ends: off the runtime's workers.
+    // `sync` blocks until the writeback ends: off the runtime's workers. It reports no error;
+    // only its task can fail (a panic).
     let synced = tokio::task::spawn_blocking(rustix::fs::sync).await.is_ok();
     eprintln!(
         "anima-load: the page cache held {} not yet on disk; {} in {:.2} s before the load ({} after)",
         mib(before),
-        if synced { "written out (sync)" } else { "the sync failed" },
+        if synced { "written out (sync)" } else { "the sync's task failed" },
         started.elapsed().as_secs_f64(),
         mib(engine::unwritten_kib())
     );
 }
 
+/// Probes `/metrics` and the engine's RSS every [`SAMPLE_INTERVAL`] until `stop`.
 async fn sample_engine(
     (pid, nats_pid): (u32, Option<u32>),
     metrics_addr: std::net::SocketAddr,
