@@ -116,7 +116,7 @@ struct Args {
     /// tool does: the kernel writes a file's data back once it is 30 s old, and while it writes
     /// back what another process left (a build just before the run writes hundreds of MiB) the
     /// engine's log syncs wait behind it. Measured: 400 MiB written just before a run stalled a
-    /// group commit 365 ms, 31 s in; the same with a `sync` between, no commit over 25 ms.
+    /// group commit 365 ms, 31 s in; the same with a `sync` between, the slowest commit 25.2 ms.
     #[arg(long)]
     no_sync_first: bool,
 }
