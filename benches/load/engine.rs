@@ -255,20 +255,20 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
 
 /// The resident set of a process in KiB (`VmRSS` of `/proc/<pid>/status`).
 pub fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+    kib_field(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?, "VmRSS")
 }
 
 /// The machine's page cache not yet written to disk: `Dirty` + `Writeback` of `/proc/meminfo`,
 /// KiB.
 pub fn unwritten_kib() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = meminfo.lines().find(|l| l.split(':').next() == Some(name))?;
-        line.split_whitespace().nth(1)?.parse().ok()
-    };
-    Some(field("Dirty")? + field("Writeback")?)
+    Some(kib_field(&meminfo, "Dirty")? + kib_field(&meminfo, "Writeback")?)
+}
+
+/// The value of the `name: N kB` line of a `/proc` file's text.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.split(':').next() == Some(name))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// CPU time (user + system) a process has used, in seconds, from `/proc/<pid>/stat` ("self" for

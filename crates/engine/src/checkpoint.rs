@@ -430,6 +430,28 @@ impl CheckpointStore {
     ) -> Result<Option<State>, CheckpointError> {
         use fjall::Readable as _;
         let snapshot = self.db.db.snapshot();
+        let Some(mut state) = self.usable_meta(&snapshot, stream_identity)? else { return Ok(None) };
+        if !seqs.contains(&state.meta.applied_seq) {
+            return Ok(None);
+        }
+        for (key, value) in scan_state_entries(|key| snapshot.prefix(&self.tree, key), &[])? {
+            state.load_entry(&key, &value)?;
+        }
+        Ok(Some(state))
+    }
+
+    /// The applied seq of the stored checkpoint when [`CheckpointStore::load_whole`] would use
+    /// it: there is one, of this fold version, of the stream `stream_identity` (for tools that
+    /// say where a state will start before loading it).
+    pub fn usable_seq(&self, stream_identity: &str) -> Result<Option<u64>, CheckpointError> {
+        let state = self.usable_meta(&self.db.db.snapshot(), stream_identity)?;
+        Ok(state.map(|state| state.meta.applied_seq))
+    }
+
+    /// A state holding only the checkpoint's meta (its applied seq), as `snapshot` shows it, when
+    /// the checkpoint exists and was taken by this fold version on `stream_identity`.
+    fn usable_meta(&self, snapshot: &fjall::Snapshot, stream_identity: &str) -> Result<Option<State>, CheckpointError> {
+        use fjall::Readable as _;
         let mut state = State::new();
         match snapshot.get(&self.tree, META_KEY)? {
             Some(meta) => state.load_entry(&META_KEY[1..], &meta)?,
@@ -438,13 +460,7 @@ impl CheckpointStore {
         let version_ok =
             snapshot.get(&self.tree, FOLD_VERSION_KEY)?.as_deref() == Some(&FOLD_VERSION.to_be_bytes()[..]);
         let stream_ok = snapshot.get(&self.tree, STREAM_KEY)?.as_deref() == Some(stream_identity.as_bytes());
-        if !(version_ok && stream_ok && seqs.contains(&state.meta.applied_seq)) {
-            return Ok(None);
-        }
-        for (key, value) in scan_state_entries(|key| snapshot.prefix(&self.tree, key), &[])? {
-            state.load_entry(&key, &value)?;
-        }
-        Ok(Some(state))
+        Ok((version_ok && stream_ok).then_some(state))
     }
 
     /// The applied seq of the stored checkpoint (0 when none), for tools and tests.

@@ -273,7 +273,7 @@ impl Source {
                 eprintln!("replay: reading the {}", source.description);
                 let mut replayer = Replayer::new(source.log.clone(), replay_config(args, reporter));
                 if let Some(checkpoint) = source.checkpoint_store() {
-                    if let Ok(seq @ 1..) = checkpoint.checkpointed_seq() {
+                    if let Ok(Some(seq @ 1..)) = checkpoint.usable_seq(&source.log.identity()) {
                         eprintln!(
                             "replay: a state at or after seq {seq} starts from the data dir's checkpoint (its whole \
                              state is loaded first)"

@@ -686,6 +686,9 @@ async fn a_rebuild_past_the_checkpoint_starts_from_it_and_equals_a_fold_from_the
     let instance = start_instance(dir.path()).await;
     let checkpointed = instance.checkpoints.checkpointed_seq().unwrap();
     assert_eq!(checkpointed, 9, "the instance closed with a checkpoint of the incident");
+    let identity = instance.engine.log().identity();
+    assert_eq!(instance.checkpoints.usable_seq(&identity).unwrap(), Some(9), "usable on its own stream");
+    assert_eq!(instance.checkpoints.usable_seq("another stream").unwrap(), None, "not on another stream");
     instance.engine.log().append(send(10)).await.unwrap();
     instance.engine.projection().wait_applied(10, WAIT).await.unwrap();
     let live = instance.engine.projection().state().canonical_bytes();
