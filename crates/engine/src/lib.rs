@@ -3,6 +3,7 @@
 //! wait for the fold's verdict.
 
 pub mod analytics;
+pub mod budget;
 pub mod checkpoint;
 pub mod clock;
 pub mod command;

@@ -21,6 +21,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::analytics::MaintainedAnalytics;
+use crate::budget::{self, StateShare};
 use crate::checkpoint::{CheckpointStore, ColdReads, StoredCold};
 use crate::log::{EventLog, LogError, StoredRecord};
 use anima_projections::cold::Cold;
@@ -41,6 +42,10 @@ pub struct RunnerConfig {
     /// and are read back from the checkpoint when a decision needs them. 0: let go of every
     /// clean entry at every chance (tests use it to prove verdicts do not depend on memory).
     pub state_bytes_max: usize,
+    /// The whole process's memory budget, bytes: while the process's resident memory is over
+    /// nine tenths of it, the state's share is lowered below `state_bytes_max` (to a quarter of
+    /// it at least; see [`crate::budget`]). 0: the state is held to `state_bytes_max` alone.
+    pub process_bytes_max: u64,
 }
 
 impl Default for RunnerConfig {
@@ -51,6 +56,7 @@ impl Default for RunnerConfig {
             body_cache_bytes_max: 64 * 1024 * 1024,
             apply_batch_events_max: 256,
             state_bytes_max: 576 * 1024 * 1024,
+            process_bytes_max: 0,
         }
     }
 }
@@ -90,10 +96,11 @@ pub struct Projection {
     stopped: watch::Sender<Option<Arc<str>>>,
     log: Arc<dyn EventLog>,
     /// The state's own estimate of the memory it takes, bytes, as of the runner's last look (at
-    /// start and after each landed checkpoint), and the budget it is held to: for metrics, read
-    /// without the state lock.
+    /// start and after each landed checkpoint), and the budget it is held to now (its share of
+    /// the memory budget, which the process's resident memory moves): for metrics, read without
+    /// the state lock.
     state_estimate_bytes: AtomicU64,
-    state_budget_bytes: u64,
+    state_budget_bytes: AtomicU64,
     /// The fold's reads of state it had let go of, back from the checkpoint store.
     cold_reads: Arc<ColdReads>,
 }
@@ -162,9 +169,10 @@ impl Projection {
     }
 
     /// The state's memory by its own estimate (bytes, as of the runner's last look: at start and
-    /// after each landed checkpoint) and the budget it is held to (`state_bytes_max`).
+    /// after each landed checkpoint) and the budget it is held to now (`state_bytes_max`, or
+    /// less while the process is over nine tenths of `process_bytes_max`).
     pub fn state_memory_bytes(&self) -> (u64, u64) {
-        (self.state_estimate_bytes.load(Ordering::Relaxed), self.state_budget_bytes)
+        (self.state_estimate_bytes.load(Ordering::Relaxed), self.state_budget_bytes.load(Ordering::Relaxed))
     }
 
     /// The fold's reads back from the checkpoint store so far: (reads, entries, seconds).
@@ -299,7 +307,7 @@ impl Runner {
             stopped: watch::channel(None).0,
             log: log.clone(),
             state_estimate_bytes,
-            state_budget_bytes: config.state_bytes_max as u64,
+            state_budget_bytes: AtomicU64::new(config.state_bytes_max as u64),
             cold_reads,
         });
         let supervised = projection.clone();
@@ -363,6 +371,7 @@ async fn follow_and_apply(
     let mut since_checkpoint = 0u64;
     let mut last_checkpoint = Instant::now();
     let mut eviction = Eviction::default();
+    let mut share = StateShare::new(config.state_bytes_max as u64, config.process_bytes_max);
     let mut tick = tokio::time::interval(config.checkpoint_interval);
     loop {
         let first = tokio::select! {
@@ -392,7 +401,9 @@ async fn follow_and_apply(
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
             // Once per landed checkpoint: the estimate walks the queues, which is not work for
             // every batch.
-            eviction.measure(projection, config.state_bytes_max);
+            let state_bytes_max = share.adjust(budget::process_resident_bytes(), Instant::now());
+            projection.state_budget_bytes.store(state_bytes_max, Ordering::Relaxed);
+            eviction.measure(projection, usize::try_from(state_bytes_max).unwrap_or(usize::MAX));
         }
         if writing.is_none() {
             // No write in flight: the checkpoint holds every clean entry's latest value, so

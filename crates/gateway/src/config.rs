@@ -205,7 +205,9 @@ pub struct RunnerSettings {
     /// store's cache, the body cache and the fold's state together, with a quarter left for
     /// everything else (requests, buffers, the checkpoint store's write buffer, the allocator's
     /// slack). The fold's state gets what the three caches leave of the other three quarters; beyond it, journal rows and message identities of idle surfaces leave
-    /// memory and are read back from the checkpoint when needed.
+    /// memory and are read back from the checkpoint when needed. While the process's resident
+    /// memory is over nine tenths of this budget, the state's share is lowered by the excess (to
+    /// a quarter of it at least), and it grows back when there is room.
     #[serde(default = "default_memory_budget_mib")]
     pub memory_budget_mib: u64,
     /// Let the allocator's memory land in transparent huge pages (2 MiB). Off by default: under

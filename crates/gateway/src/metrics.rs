@@ -8,8 +8,9 @@
 //!   sequence, the sequence the fold has applied, and the difference, read at scrape time.
 //! * `anima_state_estimate_bytes`, `anima_state_budget_bytes` — the fold state's own estimate of
 //!   the memory it takes (as of the runner's last look: at start and after each landed
-//!   checkpoint) and the share of `memory_budget_mib` it is held to. Set beside the process's
-//!   RSS, they tell what of it the fold holds.
+//!   checkpoint) and the share of `memory_budget_mib` it is held to now: the share is lowered
+//!   while the process's RSS is over nine tenths of the budget (`anima_engine::budget`). Set
+//!   beside the process's RSS, they tell what of it the fold holds.
 //! * `anima_data_dir_bytes` — the data dir's files on disk (the embedded log's sled files and
 //!   the checkpoint store's), read at scrape time: sled's file grows far past what it holds under
 //!   heavy traffic, and `anima-wake compact` gives the disk back offline (README, "What a data
@@ -195,7 +196,7 @@ impl Metrics {
         let state_budget_bytes = Gauge::default();
         registry.register(
             "anima_state_budget_bytes",
-            "The memory the fold's state is held to (its share of memory_budget_mib)",
+            "The memory the fold's state is held to now (its share of memory_budget_mib, lowered while the process is over nine tenths of it)",
             state_budget_bytes.clone(),
         );
         let data_dir_bytes = Gauge::default();

@@ -425,12 +425,7 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
         runner.projection.wait_applied(last, WAIT).await.expect("applied");
     }
     let last = log.last_seq().await.expect("last");
-    let mut reference = State::new();
-    let mut all = log.read(1, last, None).await.expect("read");
-    while let Some(record) = all.next().await {
-        let record = record.expect("record");
-        reference.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
-    }
+    let reference = raw_fold(&log).await;
     {
         let live = runner.projection.state();
         assert!(
@@ -453,10 +448,7 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
             reads > 0 && entries > 0 && seconds > 0.0,
             "cold reads counted: {reads}, {entries} entries, {seconds} s"
         );
-        for seq in 1..=last {
-            assert_eq!(live.verdict(seq), reference.verdict(seq), "the verdict of seq {seq} depends on memory");
-        }
-        assert!(live.canonical_bytes() == reference.canonical_bytes(), "the state depends on memory");
+        assert_same_fold(&live, &reference, last);
     }
     shutdown.cancel();
     runner.task.await.expect("join").expect("runner ends cleanly");
@@ -464,6 +456,72 @@ async fn verdicts_and_state_do_not_depend_on_the_memory_budget() {
     let (restarted, restored_at) = run_to_end(log.clone(), checkpoints).await;
     assert_eq!(restored_at, last);
     assert!(restarted == reference.canonical_bytes(), "the restarted state differs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_over_its_memory_budget_lowers_the_state_share_and_lets_state_go() {
+    // The state's share is twice what the fold of this log takes, so by its share alone nothing
+    // leaves memory. A whole-process budget that any process is over (1 MiB) lowers the share to
+    // its least, a quarter of it, below what the state takes: the runner lets cold entries go,
+    // and the share it reports (the `anima_state_budget_bytes` gauge) says so. Verdicts and
+    // state stay those of the fold with everything in memory.
+    let records = fleet_events(12, 6_000, 11);
+    let mut sizing = State::new();
+    for (n, record) in records.iter().enumerate() {
+        sizing.apply_bytes(LogPosition { seq: n as u64 + 1, at_ns: 0 }, &record.payload);
+    }
+    let share = sizing.memory_estimate_bytes() * 2;
+    let mut resident = Vec::new();
+    for process_bytes_max in [0, 1024 * 1024] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (log, db) = open(dir.path());
+        let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
+        let budgeted = RunnerConfig { state_bytes_max: share, process_bytes_max, ..config() };
+        let shutdown = CancellationToken::new();
+        let runner = Runner::start(log.clone(), checkpoints.clone(), budgeted, shutdown.clone()).await.expect("runner");
+        for slice in records.chunks(97) {
+            let appended = log.append_batch(slice.to_vec()).await.expect("append");
+            let last = appended.last().map(|a| a.seq()).unwrap_or(0);
+            runner.projection.wait_applied(last, WAIT).await.expect("applied");
+        }
+        let (_, reported) = runner.projection.state_memory_bytes();
+        let expected = if process_bytes_max == 0 { share } else { share / 4 };
+        assert_eq!(reported as usize, expected, "the share reported with a process budget of {process_bytes_max}");
+        let reference = raw_fold(&log).await;
+        {
+            let live = runner.projection.state();
+            resident.push((live.cold_resident_len(), reference.cold_resident_len()));
+            assert_same_fold(&live, &reference, log.last_seq().await.expect("last"));
+        }
+        shutdown.cancel();
+        runner.task.await.expect("join").expect("runner ends cleanly");
+    }
+    assert_eq!(resident[0].0, resident[0].1, "within its share the state keeps every cold entry");
+    assert!(
+        resident[1].0 < resident[1].1,
+        "over the process budget cold entries left memory: {} of {} kept",
+        resident[1].0,
+        resident[1].1
+    );
+}
+
+/// The fold of the whole log from the start, with everything in memory.
+async fn raw_fold(log: &Arc<dyn EventLog>) -> State {
+    let mut state = State::new();
+    let mut all = log.read(1, log.last_seq().await.expect("last"), None).await.expect("read");
+    while let Some(record) = all.next().await {
+        let record = record.expect("record");
+        state.apply_bytes(LogPosition { seq: record.seq, at_ns: record.timestamp_ns }, &record.payload);
+    }
+    state
+}
+
+/// The runner's state reached the verdicts of every seq up to `last`, and the state, of `reference`.
+fn assert_same_fold(live: &State, reference: &State, last: u64) {
+    for seq in 1..=last {
+        assert_eq!(live.verdict(seq), reference.verdict(seq), "the verdict of seq {seq} depends on memory");
+    }
+    assert!(live.canonical_bytes() == reference.canonical_bytes(), "the state depends on memory");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,147 @@
+//! The fold state's share of the memory budget, moved by what the process really takes.
+//!
+//! The state's own estimate is accurate for the state, but the process holds more than the state
+//! and the three caches: the allocator's slack, the stores' bookkeeping, request buffers. Those
+//! grow with load and with the stores, and no setting bounds them. So after each landed
+//! checkpoint the runner reads the process's resident memory, and when it is over nine tenths of
+//! the whole budget the state's share is lowered by the excess: a byte of state let go frees at
+//! least a byte of RSS, so one step brings the process back under without undershooting by more
+//! than the allocator's slack. When there is room again the share grows back, half the room at a
+//! time, never past its configured value. The share never falls below a quarter of its configured
+//! value: below that, cold reads would cost more than the memory is worth, and the process is
+//! over its budget for reasons the state cannot mend (it says so in the log, once a minute).
+//!
+//! A verdict never depends on what is in memory, so moving the share changes speed and memory,
+//! never a decision.
+
+use std::time::{Duration, Instant};
+
+/// RSS aimed for, as a fraction of the whole budget: the tenth above it absorbs what grows between
+/// two looks (a burst of requests, a checkpoint's buffers).
+const GOAL_TENTHS: u64 = 9;
+
+/// Between two moves of the share: freed memory reaches the RSS only once the allocator returns
+/// it (mimalloc purges after a second), so looking sooner would count one excess twice.
+pub const ADJUST_EVERY: Duration = Duration::from_secs(2);
+
+/// How often the log says the budget cannot be held.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The state's share of the memory budget, adjusted to the process's resident memory.
+#[derive(Debug)]
+pub struct StateShare {
+    configured: u64,
+    process_max: u64,
+    current: u64,
+    adjusted_at: Option<Instant>,
+    warned_at: Option<Instant>,
+}
+
+impl StateShare {
+    /// `configured`: the state's share as set (bytes); `process_max`: the whole budget (bytes;
+    /// 0 holds the share at its configured value).
+    pub fn new(configured: u64, process_max: u64) -> Self {
+        StateShare { configured, process_max, current: configured, adjusted_at: None, warned_at: None }
+    }
+
+    /// The share the state is held to now, bytes.
+    pub fn current(&self) -> u64 {
+        self.current
+    }
+
+    /// The least the share is lowered to: a quarter of its configured value.
+    fn floor(&self) -> u64 {
+        self.configured / 4
+    }
+
+    /// Moves the share by the process's resident memory `rss` (bytes, `None` where it cannot be
+    /// read) at `now`, at most once per [`ADJUST_EVERY`]. Returns the share.
+    pub fn adjust(&mut self, rss: Option<u64>, now: Instant) -> u64 {
+        let Some(rss) = rss else { return self.current };
+        if self.process_max == 0 || self.adjusted_at.is_some_and(|at| now.duration_since(at) < ADJUST_EVERY) {
+            return self.current;
+        }
+        self.adjusted_at = Some(now);
+        let goal = self.process_max / 10 * GOAL_TENTHS;
+        let before = self.current;
+        if rss > goal {
+            self.current = self.current.saturating_sub(rss - goal).max(self.floor());
+        } else {
+            self.current = (self.current + (goal - rss) / 2).min(self.configured);
+        }
+        if self.current != before {
+            tracing::debug!(
+                rss_mib = rss >> 20,
+                goal_mib = goal >> 20,
+                share_mib = self.current >> 20,
+                "the state's share of the memory budget moved"
+            );
+        }
+        if rss > self.process_max
+            && self.current == self.floor()
+            && self.warned_at.is_none_or(|at| now.duration_since(at) >= WARN_EVERY)
+        {
+            self.warned_at = Some(now);
+            tracing::warn!(
+                rss_mib = rss >> 20,
+                budget_mib = self.process_max >> 20,
+                share_mib = self.current >> 20,
+                "the process is over its memory budget with the fold's state at its least share: \
+                 what is over is outside the state (the stores' bookkeeping, the allocator); \
+                 raise runner.memory_budget_mib"
+            );
+        }
+        self.current
+    }
+}
+
+/// The process's resident memory, bytes (`VmRSS` of `/proc/self/status`); `None` where there is
+/// no such file.
+pub fn process_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+    let kib: u64 = line["VmRSS:".len()..].trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1024 * 1024;
+
+    #[test]
+    fn an_rss_over_nine_tenths_of_the_budget_lowers_the_share_by_the_excess() {
+        let mut share = StateShare::new(512 * MIB, 1000 * MIB);
+        let now = Instant::now();
+        assert_eq!(share.adjust(Some(950 * MIB), now), 462 * MIB);
+        // Within ADJUST_EVERY nothing moves, however high the RSS.
+        assert_eq!(share.adjust(Some(2000 * MIB), now + Duration::from_millis(500)), 462 * MIB);
+        // Room again: half of it back, never past the configured share.
+        assert_eq!(share.adjust(Some(880 * MIB), now + ADJUST_EVERY), 472 * MIB);
+        assert_eq!(share.adjust(Some(100 * MIB), now + ADJUST_EVERY * 2), 512 * MIB);
+    }
+
+    #[test]
+    fn the_share_never_falls_below_a_quarter_of_its_configured_value() {
+        let mut share = StateShare::new(512 * MIB, 1000 * MIB);
+        let now = Instant::now();
+        assert_eq!(share.adjust(Some(3000 * MIB), now), 128 * MIB);
+        assert_eq!(share.adjust(Some(3000 * MIB), now + ADJUST_EVERY), 128 * MIB);
+    }
+
+    #[test]
+    fn without_a_process_budget_or_a_reading_the_share_stays_as_configured() {
+        let now = Instant::now();
+        assert_eq!(StateShare::new(512 * MIB, 0).adjust(Some(3000 * MIB), now), 512 * MIB);
+        assert_eq!(StateShare::new(512 * MIB, 1000 * MIB).adjust(None, now), 512 * MIB);
+    }
+
+    #[test]
+    fn this_process_resident_memory_is_read_where_proc_exists() {
+        if std::path::Path::new("/proc/self/status").exists() {
+            let rss = process_resident_bytes().expect("VmRSS of /proc/self/status");
+            assert!(rss > MIB, "a test process holds more than a MiB: {rss}");
+        }
+    }
+}
