@@ -54,13 +54,14 @@ impl StateShare {
         self.configured / 4
     }
 
-    /// Moves the share by the process's resident memory `rss` (bytes, `None` where it cannot be
-    /// read) at `now`, at most once per [`ADJUST_EVERY`]. Returns the share.
-    pub fn adjust(&mut self, rss: Option<u64>, now: Instant) -> u64 {
-        let Some(rss) = rss else { return self.current };
+    /// Moves the share by the process's resident memory (bytes, read by `rss` only when a move
+    /// is due; `None` where it cannot be read) at `now`, at most once per [`ADJUST_EVERY`].
+    /// Returns the share.
+    pub fn adjust(&mut self, now: Instant, rss: impl FnOnce() -> Option<u64>) -> u64 {
         if self.process_max == 0 || self.adjusted_at.is_some_and(|at| now.duration_since(at) < ADJUST_EVERY) {
             return self.current;
         }
+        let Some(rss) = rss() else { return self.current };
         self.adjusted_at = Some(now);
         let goal = self.process_max / 10 * GOAL_TENTHS;
         let before = self.current;
@@ -114,27 +115,27 @@ mod tests {
     fn an_rss_over_nine_tenths_of_the_budget_lowers_the_share_by_the_excess() {
         let mut share = StateShare::new(512 * MIB, 1000 * MIB);
         let now = Instant::now();
-        assert_eq!(share.adjust(Some(950 * MIB), now), 462 * MIB);
+        assert_eq!(share.adjust(now, || Some(950 * MIB)), 462 * MIB);
         // Within ADJUST_EVERY nothing moves, however high the RSS.
-        assert_eq!(share.adjust(Some(2000 * MIB), now + Duration::from_millis(500)), 462 * MIB);
+        assert_eq!(share.adjust(now + Duration::from_millis(500), || Some(2000 * MIB)), 462 * MIB);
         // Room again: half of it back, never past the configured share.
-        assert_eq!(share.adjust(Some(880 * MIB), now + ADJUST_EVERY), 472 * MIB);
-        assert_eq!(share.adjust(Some(100 * MIB), now + ADJUST_EVERY * 2), 512 * MIB);
+        assert_eq!(share.adjust(now + ADJUST_EVERY, || Some(880 * MIB)), 472 * MIB);
+        assert_eq!(share.adjust(now + ADJUST_EVERY * 2, || Some(100 * MIB)), 512 * MIB);
     }
 
     #[test]
     fn the_share_never_falls_below_a_quarter_of_its_configured_value() {
         let mut share = StateShare::new(512 * MIB, 1000 * MIB);
         let now = Instant::now();
-        assert_eq!(share.adjust(Some(3000 * MIB), now), 128 * MIB);
-        assert_eq!(share.adjust(Some(3000 * MIB), now + ADJUST_EVERY), 128 * MIB);
+        assert_eq!(share.adjust(now, || Some(3000 * MIB)), 128 * MIB);
+        assert_eq!(share.adjust(now + ADJUST_EVERY, || Some(3000 * MIB)), 128 * MIB);
     }
 
     #[test]
     fn without_a_process_budget_or_a_reading_the_share_stays_as_configured() {
         let now = Instant::now();
-        assert_eq!(StateShare::new(512 * MIB, 0).adjust(Some(3000 * MIB), now), 512 * MIB);
-        assert_eq!(StateShare::new(512 * MIB, 1000 * MIB).adjust(None, now), 512 * MIB);
+        assert_eq!(StateShare::new(512 * MIB, 0).adjust(now, || Some(3000 * MIB)), 512 * MIB);
+        assert_eq!(StateShare::new(512 * MIB, 1000 * MIB).adjust(now, || None), 512 * MIB);
     }
 
     #[test]

@@ -401,7 +401,7 @@ async fn follow_and_apply(
             done.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")))??;
             // Once per landed checkpoint: the estimate walks the queues, which is not work for
             // every batch.
-            let state_bytes_max = share.adjust(budget::process_resident_bytes(), Instant::now());
+            let state_bytes_max = share.adjust(Instant::now(), budget::process_resident_bytes);
             projection.state_budget_bytes.store(state_bytes_max, Ordering::Relaxed);
             eviction.measure(projection, usize::try_from(state_bytes_max).unwrap_or(usize::MAX));
         }
