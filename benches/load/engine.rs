@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use anima_engine::budget;
 use anyhow::{bail, Context as _};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
@@ -255,20 +256,14 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
 
 /// The resident set of a process in KiB (`VmRSS` of `/proc/<pid>/status`).
 pub fn rss_kib(pid: u32) -> Option<u64> {
-    kib_field(&std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?, "VmRSS")
+    budget::resident_kib(&pid.to_string())
 }
 
 /// The machine's page cache not yet written to disk: `Dirty` + `Writeback` of `/proc/meminfo`,
 /// KiB.
 pub fn unwritten_kib() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    Some(kib_field(&meminfo, "Dirty")? + kib_field(&meminfo, "Writeback")?)
-}
-
-/// The value of the `name: N kB` line of a `/proc` file's text.
-fn kib_field(text: &str, name: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.split(':').next() == Some(name))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+    Some(budget::proc_kib_field(&meminfo, "Dirty")? + budget::proc_kib_field(&meminfo, "Writeback")?)
 }
 
 /// CPU time (user + system) a process has used, in seconds, from `/proc/<pid>/stat` ("self" for

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 /// RSS aimed for, as a fraction of the whole budget: the tenth above it absorbs what grows between
 /// two looks (a burst of requests, a checkpoint's buffers).
-const GOAL_TENTHS: u64 = 9;
+const GOAL_TENTHS: usize = 9;
 
 /// Between two moves of the share: freed memory reaches the RSS only once the allocator returns
 /// it (mimalloc purges after a second), so looking sooner would count one excess twice.
@@ -33,9 +33,9 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// The state's share of the memory budget, adjusted to the process's resident memory.
 #[derive(Debug)]
 pub struct StateShare {
-    configured: u64,
-    process_max: u64,
-    current: u64,
+    configured: usize,
+    process_max: usize,
+    current: usize,
     adjusted_at: Option<Instant>,
     warned_at: Option<Instant>,
 }
@@ -43,24 +43,24 @@ pub struct StateShare {
 impl StateShare {
     /// `configured`: the state's share as set (bytes); `process_max`: the whole budget (bytes;
     /// 0 holds the share at its configured value).
-    pub fn new(configured: u64, process_max: u64) -> Self {
+    pub fn new(configured: usize, process_max: usize) -> Self {
         StateShare { configured, process_max, current: configured, adjusted_at: None, warned_at: None }
     }
 
     /// The least the share is lowered to: a quarter of its configured value.
-    fn floor(&self) -> u64 {
+    fn floor(&self) -> usize {
         self.configured / 4
     }
 
     /// Moves the share by the process's resident memory (bytes, read by `rss` only when a move
     /// is due; `None` where it cannot be read) at `now`, at most once per [`ADJUST_EVERY`].
     /// Returns the share.
-    pub fn adjust(&mut self, now: Instant, rss: impl FnOnce() -> Option<u64>) -> u64 {
+    pub fn adjust(&mut self, now: Instant, rss: impl FnOnce() -> Option<usize>) -> usize {
         if self.process_max == 0 || self.adjusted_at.is_some_and(|at| now.duration_since(at) < ADJUST_EVERY) {
             return self.current;
         }
-        let Some(rss) = rss() else { return self.current };
         self.adjusted_at = Some(now);
+        let Some(rss) = rss() else { return self.current };
         let goal = self.process_max / 10 * GOAL_TENTHS;
         let before = self.current;
         if rss > goal {
@@ -94,20 +94,28 @@ impl StateShare {
     }
 }
 
-/// The process's resident memory, bytes (`VmRSS` of `/proc/self/status`); `None` where there is
-/// no such file.
-pub fn process_resident_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
-    let kib: u64 = line["VmRSS:".len()..].trim().strip_suffix("kB")?.trim().parse().ok()?;
-    Some(kib * 1024)
+/// This process's resident memory, bytes; `None` where there is no `/proc`.
+pub fn process_resident_bytes() -> Option<usize> {
+    usize::try_from(resident_kib("self")?).ok()?.checked_mul(1024)
+}
+
+/// The resident memory of process `process` (a pid, or `self`), KiB: `VmRSS` of
+/// `/proc/<process>/status`. The load tool reads the engine's and nats-server's with it.
+pub fn resident_kib(process: &str) -> Option<u64> {
+    proc_kib_field(&std::fs::read_to_string(format!("/proc/{process}/status")).ok()?, "VmRSS")
+}
+
+/// The value of the `name: N kB` line of a `/proc` file's text (`status`, `meminfo`).
+pub fn proc_kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|line| line.split(':').next() == Some(name))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const MIB: u64 = 1024 * 1024;
+    const MIB: usize = 1024 * 1024;
 
     #[test]
     fn an_rss_over_nine_tenths_of_the_budget_lowers_the_share_by_the_excess() {
@@ -134,6 +142,14 @@ mod tests {
         let now = Instant::now();
         assert_eq!(StateShare::new(512 * MIB, 0).adjust(now, || Some(3000 * MIB)), 512 * MIB);
         assert_eq!(StateShare::new(512 * MIB, 1000 * MIB).adjust(now, || None), 512 * MIB);
+    }
+
+    #[test]
+    fn a_proc_field_is_read_by_its_whole_name() {
+        let meminfo = "Dirty:             120 kB\nWriteback:          8 kB\nWritebackTmp:       0 kB\n";
+        assert_eq!(proc_kib_field(meminfo, "Writeback"), Some(8));
+        assert_eq!(proc_kib_field(meminfo, "Dirty"), Some(120));
+        assert_eq!(proc_kib_field(meminfo, "Cached"), None);
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub struct RunnerConfig {
     /// The whole process's memory budget, bytes: while the process's resident memory is over
     /// nine tenths of it, the state's share is lowered below `state_bytes_max` (to a quarter of
     /// it at least; see [`crate::budget`]). 0: the state is held to `state_bytes_max` alone.
-    pub process_bytes_max: u64,
+    pub process_bytes_max: usize,
 }
 
 impl Default for RunnerConfig {
@@ -371,7 +371,7 @@ async fn follow_and_apply(
     let mut since_checkpoint = 0u64;
     let mut last_checkpoint = Instant::now();
     let mut eviction = Eviction::default();
-    let mut share = StateShare::new(config.state_bytes_max as u64, config.process_bytes_max);
+    let mut share = StateShare::new(config.state_bytes_max, config.process_bytes_max);
     let mut tick = tokio::time::interval(config.checkpoint_interval);
     loop {
         let first = tokio::select! {
@@ -402,8 +402,8 @@ async fn follow_and_apply(
             // Once per landed checkpoint: the estimate walks the queues, which is not work for
             // every batch.
             let state_bytes_max = share.adjust(Instant::now(), budget::process_resident_bytes);
-            projection.state_budget_bytes.store(state_bytes_max, Ordering::Relaxed);
-            eviction.measure(projection, usize::try_from(state_bytes_max).unwrap_or(usize::MAX));
+            projection.state_budget_bytes.store(state_bytes_max as u64, Ordering::Relaxed);
+            eviction.measure(projection, state_bytes_max);
         }
         if writing.is_none() {
             // No write in flight: the checkpoint holds every clean entry's latest value, so

@@ -269,7 +269,7 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
         checkpoint_interval: config.checkpoint_interval(),
         body_cache_bytes_max: usize::try_from(config.runner.body_cache_mib * 1024 * 1024).unwrap_or(usize::MAX),
         state_bytes_max: usize::try_from(config.runner.state_bytes_max()).unwrap_or(usize::MAX),
-        process_bytes_max: config.runner.memory_budget_mib * 1024 * 1024,
+        process_bytes_max: usize::try_from(config.runner.memory_budget_mib * 1024 * 1024).unwrap_or(usize::MAX),
         ..RunnerConfig::default()
     };
     instance_config.sled_cache_bytes = config.runner.sled_cache_mib * 1024 * 1024;

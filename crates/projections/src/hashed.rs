@@ -201,25 +201,28 @@ impl Default for FingerprintCount {
 }
 
 impl FingerprintCount {
-    fn fingerprint<K: std::hash::Hash + ?Sized>(key: &K) -> u64 {
+    /// The shard of `key`'s fingerprint (its top 6 bits) and what the shard keeps of it (its low
+    /// 32 bits).
+    fn locate<K: std::hash::Hash + ?Sized>(key: &K) -> (usize, u32) {
         use std::hash::BuildHasher;
-        foldhash::fast::FixedState::with_seed(0x6669_6e67_6572_7072).hash_one(key)
+        let print = foldhash::fast::FixedState::with_seed(0x6669_6e67_6572_7072).hash_one(key);
+        ((print >> 58) as usize, print as u32)
     }
 
     /// Counts `key` in.
     pub fn add<K: std::hash::Hash + ?Sized>(&mut self, key: &K) {
-        let print = Self::fingerprint(key);
-        *self.shard(print).entry(print as u32).or_default() += 1;
+        let (shard, print) = Self::locate(key);
+        *self.0[shard].entry(print).or_default() += 1;
     }
 
     /// Counts `key` out; it must have been counted in.
     pub fn remove<K: std::hash::Hash + ?Sized>(&mut self, key: &K) {
-        let print = Self::fingerprint(key);
-        let shard = self.shard(print);
-        match shard.get_mut(&(print as u32)) {
+        let (shard, print) = Self::locate(key);
+        let shard = &mut self.0[shard];
+        match shard.get_mut(&print) {
             Some(count) if *count > 1 => *count -= 1,
             Some(_) => {
-                shard.remove(&(print as u32));
+                shard.remove(&print);
             }
             None => debug_assert!(false, "a key counted out was never counted in"),
         }
@@ -227,12 +230,8 @@ impl FingerprintCount {
 
     /// Whether `key` may be counted (false: certainly not).
     pub fn may_hold<K: std::hash::Hash + ?Sized>(&self, key: &K) -> bool {
-        let print = Self::fingerprint(key);
-        self.0[(print >> 58) as usize].contains_key(&(print as u32))
-    }
-
-    fn shard(&mut self, print: u64) -> &mut HashedMap<u32, u32> {
-        &mut self.0[(print >> 58) as usize]
+        let (shard, print) = Self::locate(key);
+        self.0[shard].contains_key(&print)
     }
 
     /// Distinct fingerprints (what the count costs in memory).
