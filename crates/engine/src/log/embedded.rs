@@ -9,18 +9,27 @@
 //! |---|---|---|
 //! | `g` + first seq (u64 BE) | a group of records with consecutive seqs (layout `3`) | the log, in seq order |
 //! | `r` + seq (u64 BE) | one record: timestamp, subject, msg id, payload (layouts `1`, `2`) | the log, in seq order |
-//! | `m` + msg id | seq (u64 BE) + timestamp (i64 BE) | dedupe inside the window |
-//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding, prune cursor |
+//! | `x` + name | metadata | stream identity, layout version, subject prefix and encoding |
 //!
-//! Pruning: a msg-id entry leaves once its record is older than the dedupe window. Timestamps
-//! are strictly monotonic with seq (below), so the records themselves are the expiry order: the
-//! writer walks them from a persisted cursor (`x` `prune_from`, the first seq whose msg id it has
-//! not yet considered), written in the same batch as the removals. Each append writes two
-//! entries, and pruning removes one. Builds before this kept a third index, `t` + timestamp +
-//! seq, written per append and removed by the pruning; a tree that still holds such keys has
-//! them removed as they expire, oldest first, so they are gone one window after the upgrade.
-//! An older build opened on the tree again keeps working: its pruning does not see the msg ids
-//! this build appended, so at most one window of their entries stays until this build returns.
+//! Dedupe: the msg ids of the records inside the dedupe window are kept in memory by the writer
+//! thread ([`WindowIds`]), each with the seq of its record, and an id found there is confirmed by
+//! reading that record, which holds the whole msg id. Timestamps are strictly monotonic with seq
+//! (below), so the records themselves are the expiry order: the writer walks them from the
+//! window's first seq and forgets each one that left the window. Nothing of this is written:
+//! an append writes its records and nothing else. When the log opens, the index is rebuilt from
+//! the records of the window, before the first append is decided (the first append waits for
+//! it; a process that only reads never pays for it).
+//!
+//! Builds before layout `4` kept the index in the tree: `m` + msg id → seq and timestamp, one
+//! entry per record and a removal per expired record, with a persisted prune cursor (`x`
+//! `prune_from`), and before that a second index, `t` + timestamp + seq. That index was most of
+//! the writer's writes and kept growing sled's bookkeeping in memory with the window. A tree
+//! that still holds such keys has them removed, some with every group commit, and a layout `3`
+//! tree is marked layout `4` when it opens, so a build that would look its ids up in the tree
+//! refuses it instead of missing duplicates. A tree of layout `1` or `2` keeps its layout
+//! number (it names how its records are stored): a build from before layout `3`, opened on such
+//! a tree after this one appended to it, would miss the duplicates of the ids this build
+//! appended, for one window.
 //!
 //! Groups: a tree of layout `3` (every tree this build creates) stores the records of one group
 //! commit as few entries: up to [`GROUP_RECORDS_MAX`] records or [`GROUP_BYTES_MAX`] bytes each
@@ -57,6 +66,7 @@
 //! single-writer design is what keeps seqs dense.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,7 +74,7 @@ use bytes::Bytes;
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use anima_projections::hashed::FingerprintCount;
+use super::window_ids::{IdPrint, WindowIds, SEQS_KEPT_MAX};
 
 use crate::clock::{Clock, SystemClock};
 use crate::redo::{self, Writes};
@@ -90,7 +100,8 @@ const META_STREAM_ID: &[u8] = b"stream_id";
 const META_FORMAT: &[u8] = b"format";
 const META_SUBJECT_PREFIX: &[u8] = b"subject_prefix";
 const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
-/// The first seq whose msg id the pruning has not considered yet (u64 BE).
+/// Builds of layout 3: the first seq whose msg id their pruning had not considered yet (u64
+/// BE). Removed when the tree is marked layout 4.
 const META_PRUNE_FROM: &[u8] = b"prune_from";
 /// The key in `log-redo` of the redo record of the group commit being written
 /// ([`crate::redo`]); present only while a group is written, or after a crash in the middle of
@@ -100,10 +111,15 @@ const META_GROUP_REDO: &[u8] = b"group_redo";
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
 /// Layout 1 plus the subject prefix and encoding in the metadata; one entry per record.
 const FORMAT_RECORDED_SUBJECTS: &[u8] = b"2";
-/// Layout version of the trees this build creates: layout 2 with the records grouped (`g`
-/// entries). A tree written by an unknown layout is refused, never guessed at; builds before
-/// this one refuse a layout `3` tree, so none of them writes `r` entries into it.
-const FORMAT_VERSION: &[u8] = b"3";
+/// Layout 2 with the records grouped (`g` entries), msg ids indexed in the tree (`m` entries).
+/// Builds before it refuse a layout `3` tree, so none of them writes `r` entries into it. Marked
+/// layout `4` when this build opens it.
+const FORMAT_GROUPED_STORED_IDS: &[u8] = b"3";
+/// Layout version of the trees this build creates: layout 3 without msg-id entries (the writer
+/// keeps the window's ids in memory). A tree written by an unknown layout is refused, never
+/// guessed at; builds before this one refuse a layout `4` tree, so none of them looks its msg ids
+/// up in a tree that no longer holds them.
+const FORMAT_VERSION: &[u8] = b"4";
 /// Version byte leading every stored record value (a record's encoding inside a group too).
 const RECORD_VERSION: u8 = 1;
 /// Version byte leading every group value.
@@ -113,11 +129,6 @@ const GROUP_RECORDS_MAX: usize = 64;
 /// Encoded bytes one group entry takes before it is closed (a record larger than this is a group
 /// of its own). A read of one seq decodes its whole group, so this bounds what a random read costs.
 const GROUP_BYTES_MAX: usize = 16 * 1024;
-
-/// Msg-id entries the writer counts per step of its opening scan (see [`StoredIds`]), taken only
-/// while no append waits: small, so an append that arrives meanwhile waits a fraction of a
-/// millisecond.
-const STORED_IDS_SCAN_CHUNK: usize = 256;
 
 /// Append requests waiting for the writer. Callers wait for room beyond this (backpressure), so
 /// memory stays bounded whatever the append rate.
@@ -139,8 +150,8 @@ const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 const READ_CHUNK_RECORDS_MAX: usize = 4096;
 /// Payload bytes one read step returns before yielding.
 const READ_CHUNK_BYTES_MAX: usize = 4 * 1024 * 1024;
-/// Records the pruning considers per group commit at least (and, separately, legacy expiry keys
-/// it removes); it also scales with the group size so it keeps pace with appends.
+/// Records the pruning considers per group commit at least (and, separately, legacy `m` and `t`
+/// keys it removes); it also scales with the group size so it keeps pace with appends.
 const PRUNE_PER_COMMIT_MIN: usize = 256;
 /// A group commit at least this long is logged (debug), with how long its planning and its
 /// flush took: every append of the group, and every request behind it, waits for it. Under
@@ -192,6 +203,8 @@ pub struct EmbeddedLog {
     last_seq: watch::Receiver<u64>,
     writer: Option<std::thread::JoinHandle<()>>,
     tear_next_group_after: Arc<std::sync::Mutex<Option<usize>>>,
+    /// How many msg ids the writer keeps for the dedupe window.
+    window_len: Arc<AtomicUsize>,
 }
 
 impl std::fmt::Debug for EmbeddedLog {
@@ -232,11 +245,14 @@ impl EmbeddedLog {
         }
         let (last_seq, last_timestamp_ns) = recover_tail(&tree, layout)?;
         let pruning = Pruning::recover(&tree, last_seq)?;
+        let window_len = Arc::new(AtomicUsize::new(0));
 
         let (requests_tx, requests_rx) = mpsc::channel(APPEND_REQUESTS_QUEUED_MAX);
         let (last_seq_tx, last_seq_rx) = watch::channel(last_seq);
         let writer = LogWriter {
-            stored_ids: StoredIds::default(),
+            window: WindowIds::default(),
+            window_built: false,
+            window_len: window_len.clone(),
             tree: tree.clone(),
             redo_tree,
             layout,
@@ -275,7 +291,14 @@ impl EmbeddedLog {
             last_seq: last_seq_rx,
             writer: Some(writer),
             tear_next_group_after,
+            window_len,
         })
+    }
+
+    /// Records whose msg ids the writer keeps in memory for the dedupe window (0 until the
+    /// first append has it read them from the tree).
+    pub fn window_ids(&self) -> usize {
+        self.window_len.load(Ordering::Relaxed)
     }
 
     /// Fault injection for tests of a crash: the next group commit writes its redo record and
@@ -582,100 +605,14 @@ fn visit_records(
     Ok(expected)
 }
 
-/// The msg ids the tree holds an entry for, as counted fingerprints, so that appending a msg id
-/// the tree does not hold needs no read of the tree. Most appends are new, and each such read is
-/// of a random page of an index that grows with the dedupe window: under load it was the log
-/// writer's biggest cost after its batch writes, and a read from disk once the index outgrew
-/// sled's cache. A fingerprint another id shares only costs the read; nothing is guessed.
-///
-/// The writer thread alone keeps it. After open the tree's entries are counted in small chunks
-/// while no append waits, so a restart does not wait for a scan of the whole window: until the
-/// scan is done, an id at or after the scan's position is read from the tree as before, and the
-/// writer counts its own changes only behind that position (the scan counts the rest when it
-/// gets there). So the count is always exact for the keys it answers for.
-///
-/// The scan begins with the first append, not at open. A restarting engine restores its
-/// projection between the two, and on two cores the scan competes with that restore for a
-/// core; a process that only reads, such as the replay tool, never pays for it. (Measured only
-/// together with the start's small pages, `crate::startup_pages`: README, "The scale figure".)
-struct StoredIds {
-    /// Set by the first append: the opening scan may run.
-    started: bool,
-    counts: FingerprintCount,
-    /// The msg-id key the opening scan goes on from; `None` once every entry is counted.
-    scan_from: Option<Vec<u8>>,
-    /// The scan failed (sled could not be read): ids it did not reach are always read.
-    scan_failed: bool,
-}
-
-impl Default for StoredIds {
-    fn default() -> Self {
-        StoredIds {
-            started: false,
-            counts: FingerprintCount::default(),
-            scan_from: Some(vec![PREFIX_MSG_ID]),
-            scan_failed: false,
-        }
-    }
-}
-
-impl StoredIds {
-    /// Whether the scan has counted `msg_id_key`'s place already.
-    fn counted(&self, msg_id_key: &[u8]) -> bool {
-        self.scan_from.as_deref().is_none_or(|from| msg_id_key < from)
-    }
-
-    /// Whether the tree may hold an entry for `msg_id_key` (false: it certainly does not).
-    fn may_hold(&self, msg_id_key: &[u8]) -> bool {
-        !self.counted(msg_id_key) || self.counts.may_hold(msg_id_key)
-    }
-
-    /// The writer stored a new entry for `msg_id_key`.
-    fn stored(&mut self, msg_id_key: &[u8]) {
-        if self.counted(msg_id_key) {
-            self.counts.add(msg_id_key);
-        }
-    }
-
-    /// The writer removed the entry of `msg_id_key`.
-    fn removed(&mut self, msg_id_key: &[u8]) {
-        if self.counted(msg_id_key) {
-            self.counts.remove(msg_id_key);
-        }
-    }
-
-    /// Whether the opening scan has begun and still has entries to count.
-    fn scanning(&self) -> bool {
-        self.started && self.scan_from.is_some() && !self.scan_failed
-    }
-
-    /// Counts up to `max` more entries of the opening scan.
-    fn scan_some(&mut self, tree: &sled::Tree, max: usize) {
-        let Some(from) = self.scan_from.take() else { return };
-        let end = [PREFIX_MSG_ID + 1];
-        let mut entries = tree.range(from.as_slice()..&end[..]);
-        for counted in 0..=max {
-            match entries.next() {
-                None => return,
-                Some(Ok((key, _))) if counted == max => {
-                    self.scan_from = Some(key.to_vec());
-                    return;
-                }
-                Some(Ok((key, _))) => self.counts.add(&key[..]),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "embedded log: counting the stored msg ids failed; looking each one up");
-                    self.scan_from = Some(from);
-                    self.scan_failed = true;
-                    return;
-                }
-            }
-        }
-    }
-}
-
 /// The writer thread's state. It alone assigns seqs and timestamps and writes the tree.
 struct LogWriter {
-    stored_ids: StoredIds,
+    /// The msg ids of the records inside the dedupe window; built by [`LogWriter::build_window`]
+    /// before the first append is decided.
+    window: WindowIds,
+    window_built: bool,
+    /// `window.len()`, for [`EmbeddedLog::window_ids`].
+    window_len: Arc<AtomicUsize>,
     tree: sled::Tree,
     /// Where a group commit's redo record is written while the group is (see [`crate::redo`]).
     redo_tree: sled::Tree,
@@ -697,41 +634,28 @@ struct LogWriter {
     tear_next_group_after: Arc<std::sync::Mutex<Option<usize>>>,
 }
 
-/// The pruning's position: the persisted cursor, and whether legacy `t` keys may remain.
+/// The pruning's position, and what older builds may have left in the tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Pruning {
-    /// The first seq whose msg id has not been considered.
+    /// The first seq the window holds (the pruning has not considered it yet).
     from_seq: u64,
+    /// The tree may still hold `m` keys of an older build.
+    legacy_ids: bool,
     /// The tree may still hold `t` keys of an older build.
     legacy_expiry: bool,
 }
 
 impl Pruning {
-    /// Reads the cursor, or derives it on a tree that has none and records it (flushed) before
-    /// any append: without it, a crash before the first pruning would leave the cursor to be
-    /// derived again after records it never saw.
-    ///
-    /// Derived: an older build's pruning removed its `t` keys oldest first, so the first one
-    /// left names the first record not pruned; with none left, nothing before the tail awaits
-    /// pruning (or the tree is new).
+    /// What the tree holds of older builds' indexes; `from_seq` is set by the window's build.
     fn recover(tree: &sled::Tree, last_seq: u64) -> LogResult<Self> {
-        let first_legacy = tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).next().transpose().map_err(store_error)?;
-        let legacy_expiry = first_legacy.is_some();
-        if let Some(value) = tree.get(meta_key(META_PRUNE_FROM)).map_err(store_error)? {
-            let from_seq = value
-                .as_ref()
-                .try_into()
-                .map(u64::from_be_bytes)
-                .map_err(|_| LogError::Store("embedded log prune cursor is malformed".into()))?;
-            return Ok(Pruning { from_seq, legacy_expiry });
-        }
-        let from_seq = match &first_legacy {
-            Some((key, _)) => expiry_key_seq(key)?,
-            None => last_seq + 1,
+        let holds = |prefix: u8| -> LogResult<bool> {
+            Ok(tree.scan_prefix([prefix]).next().transpose().map_err(store_error)?.is_some())
         };
-        tree.insert(meta_key(META_PRUNE_FROM), &from_seq.to_be_bytes()[..]).map_err(store_error)?;
-        tree.flush().map_err(store_error)?;
-        Ok(Pruning { from_seq, legacy_expiry })
+        Ok(Pruning {
+            from_seq: last_seq + 1,
+            legacy_ids: holds(PREFIX_MSG_ID)?,
+            legacy_expiry: holds(PREFIX_LEGACY_EXPIRY)?,
+        })
     }
 }
 
@@ -741,9 +665,9 @@ struct PlannedGroup {
     outcomes: Vec<Vec<AppendOutcome>>,
     last_seq: u64,
     last_timestamp_ns: i64,
-    /// Msg-id keys the batch gives an entry they did not have, and keys whose entry it removes.
-    ids_stored: Vec<Vec<u8>>,
-    ids_removed: Vec<Vec<u8>>,
+    /// The msg ids of the records the batch appends, and of those that leave the window.
+    ids_stored: Vec<(IdPrint, u64)>,
+    ids_removed: Vec<(IdPrint, u64)>,
     /// The pruning's position once the batch is written.
     pruning: Pruning,
 }
@@ -751,23 +675,10 @@ struct PlannedGroup {
 impl LogWriter {
     /// Runs until every sender is gone (the log was dropped), answering what was queued.
     fn run(mut self) {
-        loop {
-            let first = if self.stored_ids.scanning() {
-                match self.requests.try_recv() {
-                    Ok(request) => request,
-                    Err(mpsc::error::TryRecvError::Empty) => {
-                        self.stored_ids.scan_some(&self.tree, STORED_IDS_SCAN_CHUNK);
-                        continue;
-                    }
-                    Err(mpsc::error::TryRecvError::Disconnected) => break,
-                }
-            } else {
-                match self.requests.blocking_recv() {
-                    Some(request) => request,
-                    None => break,
-                }
-            };
-            self.stored_ids.started = true;
+        while let Some(first) = self.requests.blocking_recv() {
+            if !self.window_built {
+                self.build_window();
+            }
             let mut records = first.records.len();
             let mut bytes = payload_bytes(&first.records);
             let mut group = vec![first];
@@ -784,6 +695,44 @@ impl LogWriter {
             self.commit(group);
         }
         tracing::debug!(last_seq = self.last_seq, "embedded log writer stopped");
+    }
+
+    /// Reads the msg ids of the records inside the dedupe window into memory: from the first
+    /// record a later append's window can hold to the tail. A tree that cannot be read leaves
+    /// the log refusing appends (fail closed: a duplicate could not be recognised).
+    fn build_window(&mut self) {
+        self.window_built = true;
+        let started = std::time::Instant::now();
+        let built = first_seq_in_window(
+            &self.tree,
+            self.layout,
+            self.last_seq,
+            self.last_timestamp_ns.saturating_sub(self.duplicate_window_ns),
+        )
+        .and_then(|from_seq| {
+            let window = &mut self.window;
+            visit_records(&self.tree, self.layout, from_seq, self.last_seq, |seq, parts, _| {
+                window.insert(IdPrint::of(parts.msg_id), seq);
+                Ok(true)
+            })?;
+            Ok(from_seq)
+        });
+        match built {
+            Ok(from_seq) => {
+                self.pruning.from_seq = from_seq;
+                self.window_len.store(self.window.len(), Ordering::Relaxed);
+                tracing::info!(
+                    ids = self.window.len(),
+                    from_seq,
+                    took_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "embedded log: read the dedupe window's msg ids"
+                );
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "embedded log: cannot read the dedupe window's msg ids; refusing appends");
+                self.failure = Some(format!("cannot read the dedupe window's msg ids: {e}"));
+            }
+        }
     }
 
     /// One group commit: plan, one write set, one `flush`, then answer everyone.
@@ -839,12 +788,13 @@ impl LogWriter {
             self.failure = Some(message.clone());
             return Err(LogError::Store(message));
         }
-        for key in &planned.ids_stored {
-            self.stored_ids.stored(key);
+        for &(print, seq) in &planned.ids_stored {
+            self.window.insert(print, seq);
         }
-        for key in &planned.ids_removed {
-            self.stored_ids.removed(key);
+        for &(print, seq) in &planned.ids_removed {
+            self.window.remove(print, seq, planned.last_seq);
         }
+        self.window_len.store(self.window.len(), Ordering::Relaxed);
         self.pruning = planned.pruning;
         if planned.last_seq != self.last_seq {
             self.last_seq = planned.last_seq;
@@ -854,8 +804,25 @@ impl LogWriter {
         Ok(planned.outcomes)
     }
 
-    /// Decides every record of the group (new seq or duplicate) and builds the batch, including
-    /// pruning of msg ids that left the dedupe window. Reads the tree; writes nothing.
+    /// The seq of the stored record with `msg_id` inside the window that starts at
+    /// `window_start_ns`, if any: each record the in-memory index names is read and its whole
+    /// msg id compared.
+    fn stored_in_window(&self, msg_id: &[u8], print: IdPrint, window_start_ns: i64) -> LogResult<Option<u64>> {
+        for seq in self.window.candidates(print, self.last_seq) {
+            let mut found = false;
+            visit_records(&self.tree, self.layout, seq, seq, |_, parts, _| {
+                found = parts.msg_id == msg_id && parts.timestamp_ns >= window_start_ns;
+                Ok(true)
+            })?;
+            if found {
+                return Ok(Some(seq));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Decides every record of the group (new seq or duplicate) and builds the batch; finds the
+    /// records that leave the dedupe window with it. Reads the tree; writes nothing.
     fn plan_group(&self, group: &[AppendRequest]) -> LogResult<PlannedGroup> {
         let mut batch = Writes::default();
         let mut outcomes = Vec::with_capacity(group.len());
@@ -872,33 +839,23 @@ impl LogWriter {
             let mut request_outcomes = Vec::with_capacity(request.records.len());
             for record in &request.records {
                 records_total += 1;
-                if let Some(&seq) = stored_here.get(record.msg_id.as_bytes()) {
+                let msg_id = record.msg_id.as_bytes();
+                if let Some(&seq) = stored_here.get(msg_id) {
                     request_outcomes.push(AppendOutcome::Duplicate { seq });
                     continue;
                 }
                 let timestamp_ns = now_ns.max(last_timestamp_ns.saturating_add(1));
                 let window_start_ns = timestamp_ns.saturating_sub(self.duplicate_window_ns);
-                let msg_id_key = msg_id_key(record.msg_id.as_bytes());
-                let entry = match self.stored_ids.may_hold(&msg_id_key) {
-                    true => self.tree.get(&msg_id_key).map_err(store_error)?,
-                    false => None,
-                };
-                match entry {
-                    Some(entry) => {
-                        let (seq, stored_ns) = decode_msg_id_entry(&entry)?;
-                        if stored_ns >= window_start_ns {
-                            request_outcomes.push(AppendOutcome::Duplicate { seq });
-                            continue;
-                        }
-                        // An expired entry: overwritten below, so still one entry.
-                    }
-                    None => ids_stored.push(msg_id_key.clone()),
+                let print = IdPrint::of(msg_id);
+                if let Some(seq) = self.stored_in_window(msg_id, print, window_start_ns)? {
+                    request_outcomes.push(AppendOutcome::Duplicate { seq });
+                    continue;
                 }
                 last_seq += 1;
                 last_timestamp_ns = timestamp_ns;
                 entries.push(&mut batch, last_seq, timestamp_ns, record);
-                batch.insert(msg_id_key, &encode_msg_id_entry(last_seq, timestamp_ns)[..]);
-                stored_here.insert(record.msg_id.as_bytes(), last_seq);
+                ids_stored.push((print, last_seq));
+                stored_here.insert(msg_id, last_seq);
                 request_outcomes.push(AppendOutcome::Appended { seq: last_seq });
             }
             outcomes.push(request_outcomes);
@@ -907,50 +864,44 @@ impl LogWriter {
 
         let (ids_removed, pruning) = self.plan_pruning(
             &mut batch,
-            &stored_here,
+            last_seq,
             last_timestamp_ns.max(now_ns).saturating_sub(self.duplicate_window_ns),
             (records_total * 2).max(PRUNE_PER_COMMIT_MIN),
         )?;
         Ok(PlannedGroup { batch, outcomes, last_seq, last_timestamp_ns, ids_stored, ids_removed, pruning })
     }
 
-    /// Considers up to `limit` flushed records older than `window_start_ns`, from the cursor on,
-    /// and removes their msg-id entries. An entry goes only if it still points at the expired
-    /// seq: the same id may have been stored again after it expired, in an earlier group or in
-    /// this one. Also removes up to `limit` expired legacy `t` keys while any remain. Returns the
-    /// msg-id keys whose entry goes and the pruning's position after the batch.
+    /// Considers up to `limit` flushed records from the window's first seq on, and returns those
+    /// that left the window (older than `window_start_ns`, or [`SEQS_KEPT_MAX`] or more behind
+    /// `last_seq`, the tail once the batch lands) with the pruning's position after them. Also
+    /// removes up to `limit` of the `m` and of the expired `t` keys older builds left.
     fn plan_pruning(
         &self,
         batch: &mut Writes,
-        stored_here: &HashMap<&[u8], u64>,
+        last_seq: u64,
         window_start_ns: i64,
         limit: usize,
-    ) -> LogResult<(Vec<Vec<u8>>, Pruning)> {
+    ) -> LogResult<(Vec<(IdPrint, u64)>, Pruning)> {
         let mut removed = Vec::new();
         let mut pruning = self.pruning;
         if pruning.from_seq <= self.last_seq {
-            let mut considered = 0usize;
             pruning.from_seq =
                 visit_records(&self.tree, self.layout, pruning.from_seq, self.last_seq, |seq, parts, _| {
-                    if considered == limit || parts.timestamp_ns >= window_start_ns {
+                    let left = parts.timestamp_ns < window_start_ns || last_seq - seq >= SEQS_KEPT_MAX;
+                    if removed.len() == limit || !left {
                         return Ok(false);
                     }
-                    considered += 1;
-                    if stored_here.contains_key(parts.msg_id) {
-                        return Ok(true);
-                    }
-                    let msg_id_key = msg_id_key(parts.msg_id);
-                    if let Some(entry) = self.tree.get(&msg_id_key).map_err(store_error)? {
-                        if decode_msg_id_entry(&entry)?.0 == seq {
-                            batch.remove(msg_id_key.clone());
-                            removed.push(msg_id_key);
-                        }
-                    }
+                    removed.push((IdPrint::of(parts.msg_id), seq));
                     Ok(true)
                 })?;
-            if pruning.from_seq != self.pruning.from_seq {
-                batch.insert(meta_key(META_PRUNE_FROM), &pruning.from_seq.to_be_bytes()[..]);
+        }
+        if pruning.legacy_ids {
+            let mut found = 0;
+            for entry in self.tree.scan_prefix([PREFIX_MSG_ID]).take(limit) {
+                batch.remove(entry.map_err(store_error)?.0.to_vec());
+                found += 1;
             }
+            pruning.legacy_ids = found == limit;
         }
         if pruning.legacy_expiry {
             let start = [PREFIX_LEGACY_EXPIRY];
@@ -969,6 +920,34 @@ impl LogWriter {
         }
         Ok((removed, pruning))
     }
+}
+
+/// The first seq at or after which records are at least `window_start_ns` old (`last_seq + 1`
+/// when none is) and fewer than [`SEQS_KEPT_MAX`] behind `last_seq`: where a later append's
+/// dedupe window can begin, since timestamps grow with seqs. A binary search over the records'
+/// timestamps: about 23 reads for 6M records.
+fn first_seq_in_window(tree: &sled::Tree, layout: RecordLayout, last_seq: u64, window_start_ns: i64) -> LogResult<u64> {
+    let first_stored = match tree.range(layout.key(0)..=layout.key(u64::MAX)).next().transpose().map_err(store_error)? {
+        Some((key, _)) => layout.key_seq(&key)?,
+        None => return Ok(last_seq + 1),
+    };
+    let (mut low, mut high) = (first_stored.max((last_seq + 1).saturating_sub(SEQS_KEPT_MAX)), last_seq + 1);
+    while low < high {
+        let middle = low + (high - low) / 2;
+        let mut timestamp_ns = None;
+        visit_records(tree, layout, middle, middle, |_, parts, _| {
+            timestamp_ns = Some(parts.timestamp_ns);
+            Ok(true)
+        })?;
+        let timestamp_ns = timestamp_ns
+            .ok_or_else(|| LogError::Store(format!("record {middle} is missing below the last seq {last_seq}")))?;
+        if timestamp_ns >= window_start_ns {
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    Ok(low)
 }
 
 /// Reads or creates the stream identity and the subjects, and checks the layout version and
@@ -997,6 +976,16 @@ fn open_metadata(tree: &sled::Tree, prefix: &SubjectPrefix) -> LogResult<(String
             subjects.prefix()
         )));
     }
+    if tree.get(meta_key(META_FORMAT)).map_err(store_error)?.as_deref() == Some(FORMAT_GROUPED_STORED_IDS) {
+        // From now on the msg ids this build appends have no `m` entry: builds that would look
+        // them up there must refuse the tree (module docs).
+        let mut batch = sled::Batch::default();
+        batch.insert(meta_key(META_FORMAT), FORMAT_VERSION);
+        batch.remove(meta_key(META_PRUNE_FROM));
+        tree.apply_batch(batch).map_err(store_error)?;
+        tree.flush().map_err(store_error)?;
+        tracing::info!("embedded log: layout 3 marked layout 4 (msg ids kept in memory, not in the tree)");
+    }
     let stream_id = tree
         .get(&id_key)
         .map_err(store_error)?
@@ -1015,13 +1004,14 @@ fn recorded_subjects(tree: &sled::Tree) -> LogResult<Option<(Subjects, RecordLay
     let layout = match format.as_ref() {
         FORMAT_UNRECORDED_SUBJECTS => return Ok(Some((Subjects::unrecorded(), RecordLayout::PerRecord))),
         FORMAT_RECORDED_SUBJECTS => RecordLayout::PerRecord,
-        FORMAT_VERSION => RecordLayout::Grouped,
+        FORMAT_GROUPED_STORED_IDS | FORMAT_VERSION => RecordLayout::Grouped,
         _ => {
             return Err(LogError::Store(format!(
-                "embedded log tree has layout {}, this build reads {}, {} and {}: a newer anima-wake created it",
+                "embedded log tree has layout {}, this build reads {}, {}, {} and {}: a newer anima-wake created it",
                 crate::validate::echo(&String::from_utf8_lossy(&format)),
                 String::from_utf8_lossy(FORMAT_UNRECORDED_SUBJECTS),
                 String::from_utf8_lossy(FORMAT_RECORDED_SUBJECTS),
+                String::from_utf8_lossy(FORMAT_GROUPED_STORED_IDS),
                 String::from_utf8_lossy(FORMAT_VERSION)
             )))
         }
@@ -1202,30 +1192,6 @@ impl<'a> Iterator for EntryRecords<'a> {
     }
 }
 
-fn msg_id_key(msg_id: &[u8]) -> Vec<u8> {
-    let mut key = Vec::with_capacity(1 + msg_id.len());
-    key.push(PREFIX_MSG_ID);
-    key.extend_from_slice(msg_id);
-    key
-}
-
-fn encode_msg_id_entry(seq: u64, timestamp_ns: i64) -> [u8; 16] {
-    let mut value = [0u8; 16];
-    value[..8].copy_from_slice(&seq.to_be_bytes());
-    value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
-    value
-}
-
-fn decode_msg_id_entry(value: &[u8]) -> LogResult<(u64, i64)> {
-    let malformed = || LogError::Store("malformed msg id entry".into());
-    let seq = value.get(..8).ok_or_else(malformed)?;
-    let timestamp = value.get(8..16).ok_or_else(malformed)?;
-    Ok((
-        u64::from_be_bytes(seq.try_into().map_err(|_| malformed())?),
-        i64::from_be_bytes(timestamp.try_into().map_err(|_| malformed())?),
-    ))
-}
-
 /// Key of the legacy expiry index: an order-preserving encoding of a signed timestamp followed
 /// by the seq, so a byte-ordered range scan visits msg ids oldest first.
 fn expiry_key(timestamp_ns: i64, seq: u64) -> [u8; 17] {
@@ -1234,13 +1200,6 @@ fn expiry_key(timestamp_ns: i64, seq: u64) -> [u8; 17] {
     key[1..9].copy_from_slice(&((timestamp_ns as u64) ^ (1 << 63)).to_be_bytes());
     key[9..].copy_from_slice(&seq.to_be_bytes());
     key
-}
-
-fn expiry_key_seq(key: &[u8]) -> LogResult<u64> {
-    key.get(9..17)
-        .and_then(|seq| seq.try_into().ok())
-        .map(u64::from_be_bytes)
-        .ok_or_else(|| LogError::Store("malformed expiry key".into()))
 }
 
 fn group_redo_key() -> Vec<u8> {
@@ -1581,7 +1540,8 @@ mod tests {
     }
 
     /// The pruning walks the records inside a group: when the window's start falls between two
-    /// records of one group, the older ones' msg ids go and the newer ones' stay.
+    /// records of one group, the older ones' msg ids go and the newer ones' stay, and a reopen
+    /// reads back into memory only the ids of the window.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pruning_stops_inside_a_group_and_goes_on_from_there() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1596,18 +1556,22 @@ mod tests {
         // Seqs 1..=10 are stamped start, start + 1 ns, ...: five of them leave the window.
         clock.set(start_ns + 60 * SECOND_NS + 5);
         log.append(record("anima.v1.config", "later", b"x")).await.expect("append");
-        assert_eq!(prune_from(&tree), 6);
-        let expected: Vec<String> =
-            ["g-5", "g-6", "g-7", "g-8", "g-9", "later"].iter().map(|id| id.to_string()).collect();
-        assert_eq!(stored_msg_ids(&tree), expected);
+        assert_eq!(log.window_ids(), 6, "g-5 to g-9 and the later one");
         let again = log.append(record("anima.v1.config", "g-2", b"x")).await.expect("append");
         assert_eq!(again, AppendOutcome::Appended { seq: 12 }, "an expired id is stored again");
         let repeat = log.append(record("anima.v1.config", "g-7", b"x")).await.expect("append");
         assert_eq!(repeat, AppendOutcome::Duplicate { seq: 8 });
+        drop(log);
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
+        let repeat = log.append(record("anima.v1.config", "g-8", b"x")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 9 }, "read back from the records");
+        // The window a later append can have starts 60 s before the last record (seq 12): at
+        // seq 7, one group's record after where it started before the reopen.
+        assert_eq!(log.window_ids(), 6, "the window's records only: seqs 7 to 12");
         clock.set(start_ns + 121 * SECOND_NS);
         log.append(record("anima.v1.config", "last", b"x")).await.expect("append");
-        assert_eq!(prune_from(&tree), 13, "the rest of the group, then the later records");
-        assert_eq!(stored_msg_ids(&tree), ["last"]);
+        assert_eq!(log.window_ids(), 1, "the rest of the group, then the later records");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 0, "no msg id is written to the tree");
         drop(log);
     }
 
@@ -1626,7 +1590,7 @@ mod tests {
             let id = format!("old-{seq}");
             tree.insert(record_key(seq), encode_record(seq as i64, &record("anima.v1.config", &id, b"old")))
                 .expect("insert");
-            tree.insert(msg_id_key(id.as_bytes()), &encode_msg_id_entry(seq, seq as i64)[..]).expect("insert");
+            legacy_msg_id_entry(&tree, &id, seq, seq as i64);
         }
         tree.flush().expect("flush");
 
@@ -1635,6 +1599,9 @@ mod tests {
         let records = (0..100).map(|n| record("anima.v1.config", &format!("new-{n}"), b"new")).collect();
         let outcomes = log.append_batch(records).await.expect("append");
         assert_eq!(outcomes[0], AppendOutcome::Appended { seq: 4 });
+        let repeat = log.append(record("anima.v1.config", "new-5", b"new")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 9 });
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 0, "the older build's msg-id entries are gone");
         assert_eq!(entries_with_prefix(&tree, PREFIX_RECORD), 103);
         assert_eq!(entries_with_prefix(&tree, PREFIX_GROUP), 0);
         assert_eq!(read_seqs(&log, 2, 5, None).await, [2, 3, 4, 5]);
@@ -1667,7 +1634,6 @@ mod tests {
         assert!(expiry_key(-1, 9) < expiry_key(0, 0));
         assert!(expiry_key(5, 9) < expiry_key(6, 0));
         assert!(expiry_key(5, 1) < expiry_key(5, 2));
-        assert_eq!(expiry_key_seq(&expiry_key(5, 77)).expect("seq"), 77);
     }
 
     const SECOND_NS: i64 = 1_000_000_000;
@@ -1676,15 +1642,14 @@ mod tests {
         EmbeddedConfig { duplicate_window: Duration::from_secs(60), clock: clock.clone(), ..EmbeddedConfig::default() }
     }
 
-    fn stored_msg_ids(tree: &sled::Tree) -> Vec<String> {
-        tree.scan_prefix([PREFIX_MSG_ID])
-            .map(|entry| String::from_utf8(entry.expect("entry").0[1..].to_vec()).expect("utf-8"))
-            .collect()
-    }
-
-    fn prune_from(tree: &sled::Tree) -> u64 {
-        let value = tree.get(meta_key(META_PRUNE_FROM)).expect("get").expect("prune cursor");
-        u64::from_be_bytes(value.as_ref().try_into().expect("u64"))
+    /// The `m` entry builds of layouts 1 to 3 wrote for each msg id.
+    fn legacy_msg_id_entry(tree: &sled::Tree, msg_id: &str, seq: u64, timestamp_ns: i64) {
+        let mut key = vec![PREFIX_MSG_ID];
+        key.extend_from_slice(msg_id.as_bytes());
+        let mut value = [0u8; 16];
+        value[..8].copy_from_slice(&seq.to_be_bytes());
+        value[8..].copy_from_slice(&timestamp_ns.to_be_bytes());
+        tree.insert(key, &value[..]).expect("insert");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1694,7 +1659,6 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000 * SECOND_NS));
         let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
         let tree = db.open_tree(TREE_NAME).expect("tree");
-        assert_eq!(prune_from(&tree), 1, "a new tree records its cursor before any append");
         let first = log.append(record("anima.v1.config", "same", b"a")).await.expect("append");
         assert_eq!(first, AppendOutcome::Appended { seq: 1 });
         log.append(record("anima.v1.config", "other", b"a")).await.expect("append");
@@ -1704,28 +1668,33 @@ mod tests {
         clock.advance(Duration::from_secs(2));
         let later = log.append(record("anima.v1.config", "same", b"b")).await.expect("append");
         assert_eq!(later, AppendOutcome::Appended { seq: 3 });
-        // Seq 1's entry was overwritten by seq 3, seq 2's expired: one entry each for what is
-        // inside the window, and the cursor past the two expired records.
-        assert_eq!(stored_msg_ids(&tree), ["same"]);
-        let entry = tree.get(msg_id_key(b"same")).expect("get").expect("msg id entry");
-        assert_eq!(decode_msg_id_entry(&entry).expect("entry").0, 3);
-        assert_eq!(prune_from(&tree), 3);
-        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 0, "no expiry index is written");
+        assert_eq!(log.window_ids(), 1, "seqs 1 and 2 left the window; seq 3 holds the id now");
+        let repeat = log.append(record("anima.v1.config", "same", b"c")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 3 }, "the newer record, not the expired one");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 0, "no msg-id entry is written");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_LEGACY_EXPIRY), 0, "no expiry index is written");
+        assert!(tree.get(meta_key(META_PRUNE_FROM)).expect("get").is_none(), "no prune cursor is written");
 
-        // The cursor survives a reopen: seq 3 expires after it, and nothing before it is read.
+        // Reopened, the log reads the window's ids back from the records: seq 3 is still a
+        // duplicate until it expires.
+        drop(log);
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
+        assert_eq!(log.window_ids(), 0, "read at the first append, not at open");
+        let repeat = log.append(record("anima.v1.config", "same", b"d")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 3 });
+        assert_eq!(log.window_ids(), 1);
         drop(log);
         let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
         clock.advance(Duration::from_secs(61));
-        let newer = log.append(record("anima.v1.config", "newer", b"c")).await.expect("append");
+        let newer = log.append(record("anima.v1.config", "same", b"e")).await.expect("append");
         assert_eq!(newer, AppendOutcome::Appended { seq: 4 });
-        assert_eq!(stored_msg_ids(&tree), ["newer"]);
-        assert_eq!(prune_from(&tree), 4);
+        assert_eq!(log.window_ids(), 1, "only seq 4 is read back or kept");
         drop(log);
     }
 
-    /// A tree as builds before the prune cursor left it: every record with an expiry key, the
-    /// oldest already pruned. This build derives the cursor from the first expiry key left,
-    /// prunes the rest as they expire and removes every expiry key.
+    /// A tree as builds before the prune cursor left it: every record with a msg-id entry and
+    /// an expiry key, the oldest already pruned. This build dedupes against its records,
+    /// removes every msg-id entry and each expiry key once it expires.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_tree_with_the_older_expiry_index_is_pruned_and_loses_it() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1733,7 +1702,6 @@ mod tests {
         let clock = Arc::new(ManualClock::new(1_000 * SECOND_NS));
         drop(EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("create"));
         let tree = db.open_tree(TREE_NAME).expect("tree");
-        tree.remove(meta_key(META_PRUNE_FROM)).expect("remove");
         // Those builds wrote one entry per record (layout 2).
         tree.insert(meta_key(META_FORMAT), FORMAT_RECORDED_SUBJECTS).expect("insert");
         // Seqs 1..=4 a second apart; seq 1 was pruned already (no msg-id entry, no expiry key).
@@ -1743,7 +1711,7 @@ mod tests {
             tree.insert(record_key(seq), encode_record(timestamp_ns, &record("anima.v1.config", &id, b"x")))
                 .expect("insert");
             if seq > 1 {
-                tree.insert(msg_id_key(id.as_bytes()), &encode_msg_id_entry(seq, timestamp_ns)[..]).expect("insert");
+                legacy_msg_id_entry(&tree, &id, seq, timestamp_ns);
                 tree.insert(&expiry_key(timestamp_ns, seq)[..], id.as_bytes()).expect("insert");
             }
         }
@@ -1751,33 +1719,67 @@ mod tests {
 
         clock.set(1_005 * SECOND_NS);
         let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
-        assert_eq!(prune_from(&tree), 2, "derived from the first expiry key and recorded");
         let repeat = log.append(record("anima.v1.config", "old-3", b"x")).await.expect("append");
         assert_eq!(repeat, AppendOutcome::Duplicate { seq: 3 }, "older ids still dedupe");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 0, "the msg-id entries go at the first commit");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_LEGACY_EXPIRY), 3, "no expiry key has expired yet");
         // Seqs 2 and 3 expire; 4 and the new one do not.
         clock.set(1_063 * SECOND_NS + SECOND_NS / 2);
         log.append(record("anima.v1.config", "new-5", b"x")).await.expect("append");
-        assert_eq!(stored_msg_ids(&tree), ["new-5", "old-4"]);
-        assert_eq!(prune_from(&tree), 4);
-        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 1, "seq 4's expiry key has not expired");
+        assert_eq!(log.window_ids(), 2, "old-4 and new-5");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_LEGACY_EXPIRY), 1, "seq 4's expiry key has not expired");
+        let repeat = log.append(record("anima.v1.config", "old-4", b"x")).await.expect("append");
+        assert_eq!(repeat, AppendOutcome::Duplicate { seq: 4 });
         clock.set(1_070 * SECOND_NS);
         log.append(record("anima.v1.config", "new-6", b"x")).await.expect("append");
-        assert_eq!(stored_msg_ids(&tree), ["new-5", "new-6"]);
-        assert_eq!(tree.scan_prefix([PREFIX_LEGACY_EXPIRY]).count(), 0);
-        drop(log);
-        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("reopen");
-        assert_eq!(prune_from(&tree), 5, "the recorded cursor, not a derived one");
+        assert_eq!(log.window_ids(), 2, "new-5 and new-6");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_LEGACY_EXPIRY), 0);
         drop(log);
     }
 
-    /// Reopened on many more msg ids than one step of the opening count takes, the log answers
-    /// repeats as duplicates and new ids as appended, both while the count is under way (the
-    /// first appends come right after open, from both ends of the key order) and after it.
+    /// A tree of layout 3 (groups, with an `m` entry per msg id and a prune cursor) is marked
+    /// layout 4 when it opens, before anything is appended without an `m` entry, so the builds
+    /// that would look ids up there refuse it; its ids still dedupe and its entries go.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn msg_ids_are_deduplicated_while_and_after_they_are_counted_at_open() {
+    async fn a_tree_of_layout_3_is_marked_layout_4_and_loses_its_msg_id_entries() {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
-        let total = STORED_IDS_SCAN_CHUNK * 200 + 17;
+        let clock = Arc::new(ManualClock::new(1_000 * SECOND_NS));
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("create");
+        let records = (0..300).map(|n| record("anima.v1.config", &format!("id-{n}"), b"x")).collect();
+        log.append_batch(records).await.expect("append");
+        drop(log);
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        tree.insert(meta_key(META_FORMAT), FORMAT_GROUPED_STORED_IDS).expect("insert");
+        tree.insert(meta_key(META_PRUNE_FROM), &1u64.to_be_bytes()[..]).expect("insert");
+        for n in 0..300u64 {
+            legacy_msg_id_entry(&tree, &format!("id-{n}"), n + 1, 1_000 * SECOND_NS + n as i64);
+        }
+        tree.flush().expect("flush");
+
+        let log = EmbeddedLog::open(db.clone(), manual_config(&clock)).expect("open");
+        assert_eq!(tree.get(meta_key(META_FORMAT)).expect("get").as_deref(), Some(FORMAT_VERSION));
+        assert!(tree.get(meta_key(META_PRUNE_FROM)).expect("get").is_none());
+        let outcomes = log
+            .append_batch(vec![record("anima.v1.config", "id-299", b"x"), record("anima.v1.config", "new", b"x")])
+            .await
+            .expect("append");
+        assert_eq!(outcomes, [AppendOutcome::Duplicate { seq: 300 }, AppendOutcome::Appended { seq: 301 }]);
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 300 - PRUNE_PER_COMMIT_MIN, "some go with each commit");
+        log.append(record("anima.v1.config", "newer", b"x")).await.expect("append");
+        assert_eq!(entries_with_prefix(&tree, PREFIX_MSG_ID), 0);
+        assert_eq!(log.window_ids(), 302);
+        drop(log);
+    }
+
+    /// Reopened on many more msg ids than one group commit takes, the log answers repeats as
+    /// duplicates and new ids as appended from its first append on, and keeps one id per record
+    /// of the window.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn msg_ids_are_deduplicated_after_a_reopen_from_the_records_alone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let total = 51_217;
         let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
         {
             let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
@@ -1787,8 +1789,8 @@ mod tests {
             }
         }
         let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
-        // Interleaved from the first append on: a repeat from the far end of the key order (the
-        // count has not reached it yet), one from the start, and a new id.
+        // From the first append on: a repeat from the end of the log, one from its start, and a
+        // new id.
         let interleaved = 500;
         for n in 0..interleaved {
             let repeat = &ids[total - 1 - n];
@@ -1804,13 +1806,12 @@ mod tests {
             assert_eq!(outcomes[1], AppendOutcome::Duplicate { seq: (n + 1) as u64 });
             assert_eq!(outcomes[2], AppendOutcome::Appended { seq: (total + n + 1) as u64 });
         }
-        // Every other stored id, repeated after the count: all duplicates, nothing appended.
+        // Every other stored id, repeated: all duplicates, nothing appended.
         let rest: Vec<AppendRecord> =
             ids[interleaved..total - interleaved].iter().map(|id| record("anima.v1.config", id, b"x")).collect();
         let outcomes = log.append_batch(rest).await.expect("append");
         assert!(outcomes.iter().all(|o| matches!(o, AppendOutcome::Duplicate { .. })), "every repeat is a duplicate");
-        let tree = db.open_tree(TREE_NAME).expect("tree");
-        assert_eq!(tree.scan_prefix([PREFIX_MSG_ID]).count(), total + interleaved, "one entry per id");
+        assert_eq!(log.window_ids(), total + interleaved, "one id per record");
         drop(log);
     }
 
@@ -1898,7 +1899,9 @@ mod tests {
             let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
             log.append_batch(vec![record("anima.v1.config", "before", b"x")]).await.expect("append");
             log.tear_next_group_after(torn_after);
-            let torn: Vec<_> = (0..5).map(|n| record("anima.v1.config", &format!("torn-{n}"), b"y")).collect();
+            // Records of a group's size each: five entries, so every tear leaves some unwritten.
+            static LARGE: [u8; GROUP_BYTES_MAX] = [7u8; GROUP_BYTES_MAX];
+            let torn: Vec<_> = (0..5).map(|n| record("anima.v1.config", &format!("torn-{n}"), &LARGE)).collect();
             assert!(log.append_batch(torn.clone()).await.is_err(), "the torn group is not acknowledged");
             let refused = log.append_batch(vec![record("anima.v1.config", "between", b"z")]).await;
             assert!(refused.is_err(), "appends are refused until the log is opened again");

@@ -8,6 +8,7 @@
 
 pub mod embedded;
 pub mod jetstream;
+mod window_ids;
 
 use bytes::Bytes;
 use futures::stream::BoxStream;
