@@ -286,7 +286,7 @@ pub fn bench_embedded(c: &mut Criterion, runtime: &Runtime, quick: bool) -> Opti
         "raw sled",
         EMBEDDED_BATCH_RECORDS,
         &runs,
-        &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, records grouped as the embedded log groups them and one msg-id entry each, one flush per batch"),
+        &format!("batches of {EMBEDDED_BATCH_RECORDS} × ~{PAYLOAD_BYTES} B, records grouped as the embedded log groups them, one flush per batch"),
     ))
 }
 

@@ -17,7 +17,9 @@
 //! which [`complete`] applies again, whole, before anything reads the tree; or all of them. The
 //! writes are inserts and removals of whole values, so applying one twice is the same as once.
 //! (Checkpoints were written the same way while they lived in sled; their store now has atomic
-//! batches of its own, `checkpoint.rs`.)
+//! batches of its own, `checkpoint.rs`. The embedded log's group commits too, while each record
+//! came with a msg-id entry; its layout 4 writes only records, in seq order, through
+//! [`write_in_order`], and still completes at open what an older build left torn.)
 //!
 //! The redo record goes in a tree of its own (`redo_tree`): in the written tree, it shares a
 //! leaf with the keys beside it, and every change to that leaf before its removal rewrote it
@@ -68,6 +70,17 @@ pub fn write(
     }
     redo_tree.remove(redo_key)?;
     Ok(true)
+}
+
+/// Writes `writes` into `tree` in order, with plain inserts and removals and no redo record;
+/// not flushed. For a write set every prefix of which is a state the tree may be left in (the
+/// embedded log's records in seq order): sled recovers a prefix of its operations after a crash
+/// (above). `tear_after`: for tests of a crash, stop after that many writes and return
+/// `Ok(false)`. `Ok(true)`: written whole.
+pub fn write_in_order(tree: &sled::Tree, writes: &Writes, tear_after: Option<usize>) -> sled::Result<bool> {
+    let applied = tear_after.unwrap_or(usize::MAX);
+    apply(tree, writes, applied)?;
+    Ok(applied >= writes.len())
 }
 
 fn apply(tree: &sled::Tree, writes: &Writes, max: usize) -> sled::Result<()> {

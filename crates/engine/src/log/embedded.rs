@@ -1,9 +1,9 @@
 //! The embedded event log on sled: the same semantics as the JetStream stream in
 //! one process, for a single machine, a laptop, tests and the first run.
 //!
-//! Everything lives in ONE sled tree named `log`; a group commit lands whole through a redo
-//! record written to the tree `log-redo` while the group is written ([`crate::redo`]). Keys of
-//! `log` carry a one-byte prefix:
+//! Everything lives in ONE sled tree named `log` (builds before layout 4 also wrote each group
+//! commit through a redo record in the tree `log-redo`, [`crate::redo`]). Keys of `log` carry a
+//! one-byte prefix:
 //!
 //! | key | value | why |
 //! |---|---|---|
@@ -49,11 +49,16 @@
 //! collide with another deployment's; it is honoured so both backends store the same subjects.)
 //!
 //! "Appended" means flushed. One writer thread owns every write: it drains the pending append
-//! requests (bounded), writes them whole through a redo record with plain inserts (not sled's
+//! requests (bounded), writes their records in seq order with plain inserts (not sled's
 //! `apply_batch`, which takes sled's process-wide lock exclusively and stalls every other sled
 //! operation of the process while it waits for it: see [`crate::redo`]), calls `flush()` once
-//! and only then answers every request of the group (group commit). Opening the log completes a
-//! group commit a crash interrupted before it reads the tail. No other code path writes or flushes, so
+//! and only then answers every request of the group (group commit). A crash before the flush
+//! leaves a prefix of the group's records (sled recovers a prefix of its operations): seqs stay
+//! dense, and those records were never acknowledged, which the log's contract allows ("a failed
+//! append may still have been stored"); a retry with the same msg id finds them in the dedupe
+//! window. Builds before layout 4 wrote each group commit whole through a redo record, because
+//! each record came with a msg-id entry that had to land with it; opening the log still
+//! completes a group commit such a build left torn, before it reads the tail. No other code path writes or flushes, so
 //! there are never concurrent `flush_async` calls (sled 0.34.7 hangs with seven or more
 //! concurrent calls, as measured here). The writer publishes the last flushed seq on a `watch` channel; readers never
 //! look past it, so nothing unflushed is ever read, and followers wake on it.
@@ -254,7 +259,6 @@ impl EmbeddedLog {
             window_built: false,
             window_len: window_len.clone(),
             tree: tree.clone(),
-            redo_tree,
             layout,
             requests: requests_rx,
             last_seq_tx,
@@ -301,9 +305,9 @@ impl EmbeddedLog {
         self.window_len.load(Ordering::Relaxed)
     }
 
-    /// Fault injection for tests of a crash: the next group commit writes its redo record and
-    /// `writes` of its writes, then stops as a crash would, and fails its appends (the log then
-    /// refuses appends until reopened, as after any failed write).
+    /// Fault injection for tests of a crash: the next group commit writes `writes` of its
+    /// writes, then stops as a crash would, and fails its appends (the log then refuses appends
+    /// until reopened, as after any failed write).
     pub fn tear_next_group_after(&self, writes: usize) {
         *self.tear_next_group_after.lock().unwrap_or_else(|p| p.into_inner()) = Some(writes);
     }
@@ -614,8 +618,6 @@ struct LogWriter {
     /// `window.len()`, for [`EmbeddedLog::window_ids`].
     window_len: Arc<AtomicUsize>,
     tree: sled::Tree,
-    /// Where a group commit's redo record is written while the group is (see [`crate::redo`]).
-    redo_tree: sled::Tree,
     layout: RecordLayout,
     requests: mpsc::Receiver<AppendRequest>,
     last_seq_tx: watch::Sender<u64>,
@@ -630,7 +632,7 @@ struct LogWriter {
     /// Set when a write or flush failed: the tree's state is then unknown, so every later append
     /// fails closed instead of risking a gap or a reused seq. Reopen to recover.
     failure: Option<String>,
-    /// Tests of a crash: the next group commit stops after its redo record and this many writes.
+    /// Tests of a crash: the next group commit stops after this many writes.
     tear_next_group_after: Arc<std::sync::Mutex<Option<usize>>>,
 }
 
@@ -765,11 +767,11 @@ impl LogWriter {
         let planned_at = started.elapsed();
         let records: usize = planned.outcomes.iter().map(Vec::len).sum();
         let tear_after = self.tear_next_group_after.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let applied = redo::write(&self.tree, &self.redo_tree, &group_redo_key(), &planned.batch, tear_after);
+        let applied = redo::write_in_order(&self.tree, &planned.batch, tear_after);
         let applied_at = started.elapsed();
         let written = match applied {
             Ok(true) => self.tree.flush().map(|_| ()).map_err(|e| e.to_string()),
-            Ok(false) => Err("injected: the group commit was torn after its redo record".to_string()),
+            Ok(false) => Err("injected: the group commit was torn".to_string()),
             Err(e) => Err(e.to_string()),
         };
         let took = started.elapsed();
@@ -1886,13 +1888,12 @@ mod tests {
         assert!(matches!(EmbeddedLog::open(db, zero_group), Err(LogError::Store(_))));
     }
 
-    /// A group commit torn by a crash after its redo record (and after none, one or some of its
-    /// writes) is completed whole when the log is opened again: every record of it reads back,
-    /// a retry of one of them is a duplicate of the stored one (its msg id was completed too),
-    /// and the next append goes on after the group. The torn append itself was answered with an
-    /// error, and the log refused appends until it was opened again.
+    /// A group commit torn by a crash after none, one or some of its writes leaves a prefix of
+    /// its records when the log is opened again: dense seqs, a retry of a record that landed is
+    /// a duplicate of it, one that did not is appended after them. The torn append itself was
+    /// answered with an error, and the log refused appends until it was opened again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_group_commit_torn_by_a_crash_is_completed_whole_on_reopen() {
+    async fn a_group_commit_torn_by_a_crash_leaves_a_prefix_of_its_records() {
         for torn_after in [0, 1, 4] {
             let dir = tempfile::tempdir().expect("tempdir");
             let db = sled::open(dir.path()).expect("sled");
@@ -1908,13 +1909,54 @@ mod tests {
             drop(log);
 
             let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
-            assert_eq!(read_seqs(&log, 1, 100, None).await, vec![1, 2, 3, 4, 5, 6], "torn after {torn_after}");
-            let redo = db.open_tree(REDO_TREE_NAME).expect("tree");
-            assert!(redo.is_empty(), "the redo record is gone");
-            let retried = log.append_batch(torn[3..4].to_vec()).await.expect("append");
-            assert_eq!(retried, vec![AppendOutcome::Duplicate { seq: 5 }], "torn after {torn_after}");
+            let landed = torn_after as u64;
+            assert_eq!(
+                read_seqs(&log, 1, 100, None).await,
+                (1..=1 + landed).collect::<Vec<_>>(),
+                "torn after {torn_after}"
+            );
+            let retried = log.append_batch(torn.clone()).await.expect("append");
+            let expected: Vec<AppendOutcome> = (0..5u64)
+                .map(|n| match n < landed {
+                    true => AppendOutcome::Duplicate { seq: 2 + n },
+                    false => AppendOutcome::Appended { seq: 2 + n },
+                })
+                .collect();
+            assert_eq!(retried, expected, "torn after {torn_after}");
             let next = log.append_batch(vec![record("anima.v1.config", "after", b"z")]).await.expect("append");
             assert_eq!(next, vec![AppendOutcome::Appended { seq: 7 }], "torn after {torn_after}");
         }
+    }
+
+    /// A group commit an older build left torn after its redo record is completed whole when
+    /// the log opens, before the tail is read: every record of it reads back, and the redo
+    /// record is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_commit_an_older_build_left_torn_is_completed_on_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        log.append(record("anima.v1.config", "before", b"x")).await.expect("append");
+        drop(log);
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        let redo_tree = db.open_tree(REDO_TREE_NAME).expect("tree");
+        let mut batch = Writes::default();
+        let mut entries = RecordEntries::new(RecordLayout::Grouped);
+        static LARGE: [u8; GROUP_BYTES_MAX] = [7u8; GROUP_BYTES_MAX];
+        let after_ns = SystemClock.now_ns() + SECOND_NS;
+        for n in 0..3u64 {
+            let torn = record("anima.v1.config", &format!("torn-{n}"), &LARGE);
+            entries.push(&mut batch, 2 + n, after_ns + n as i64, &torn);
+        }
+        entries.close(&mut batch);
+        assert!(!redo::write(&tree, &redo_tree, &group_redo_key(), &batch, Some(1)).expect("write"), "torn");
+        tree.flush().expect("flush");
+
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+        assert_eq!(read_seqs(&log, 1, 100, None).await, [1, 2, 3, 4]);
+        assert!(redo_tree.is_empty(), "the redo record is gone");
+        let next = log.append(record("anima.v1.config", "after", b"z")).await.expect("append");
+        assert_eq!(next, AppendOutcome::Appended { seq: 5 });
+        drop(log);
     }
 }
