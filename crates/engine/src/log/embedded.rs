@@ -89,7 +89,8 @@ use super::{validate_record, AppendOutcome, AppendRecord, EventLog, LogError, Lo
 
 /// Name of the sled tree holding the log; the same `Db` holds its other trees (`log-redo`).
 const TREE_NAME: &str = "log";
-/// The tree of the redo record of the group commit being written.
+/// The tree where builds before layout 4 wrote the redo record of the group commit being
+/// written; opening the log completes one a crash left there.
 const REDO_TREE_NAME: &str = "log-redo";
 
 /// One record per entry (layouts 1 and 2).
@@ -108,9 +109,9 @@ const META_SUBJECT_ENCODING: &[u8] = b"subject_encoding";
 /// Builds of layout 3: the first seq whose msg id their pruning had not considered yet (u64
 /// BE). Removed when the tree is marked layout 4.
 const META_PRUNE_FROM: &[u8] = b"prune_from";
-/// The key in `log-redo` of the redo record of the group commit being written
-/// ([`crate::redo`]); present only while a group is written, or after a crash in the middle of
-/// one, until the next open completes it.
+/// The key in `log-redo` of the redo record of the group commit an older build was writing
+/// ([`crate::redo`]); present only while such a build wrote a group, or after a crash in the
+/// middle of one, until the next open completes it.
 const META_GROUP_REDO: &[u8] = b"group_redo";
 /// Layout of a tree created before subjects were recorded: prefix `anima.v1`, first encoding.
 const FORMAT_UNRECORDED_SUBJECTS: &[u8] = b"1";
@@ -139,8 +140,7 @@ const GROUP_BYTES_MAX: usize = 16 * 1024;
 /// memory stays bounded whatever the append rate.
 const APPEND_REQUESTS_QUEUED_MAX: usize = 1024;
 /// Payload bytes one group commit takes before it stops draining more requests. With
-/// `PAYLOAD_BYTES_MAX` records, one write set (and its redo record) stays well below memory
-/// limits.
+/// `PAYLOAD_BYTES_MAX` records, one write set stays well below memory limits.
 const GROUP_COMMIT_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// Records one read step scans (matching the filter or not) before yielding, so a filter that
 /// matches little never holds a blocking thread for long (a step of 4,096 records of ~230 B takes
