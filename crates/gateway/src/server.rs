@@ -261,7 +261,11 @@ pub async fn start(config: Config) -> anyhow::Result<RunningServer> {
             replicas: config.replicas,
             ..JetStreamConfig::default()
         }),
-        None => Backend::Embedded(EmbeddedConfig { subject_prefix, ..EmbeddedConfig::default() }),
+        // A server appends soon after it starts: its first append after a restart waits
+        // only for what is left of the window's read.
+        None => {
+            Backend::Embedded(EmbeddedConfig { subject_prefix, read_window_at_open: true, ..EmbeddedConfig::default() })
+        }
     };
     let mut instance_config = InstanceConfig::new(&config.data, backend);
     instance_config.runner = RunnerConfig {

@@ -181,6 +181,11 @@ pub struct EmbeddedConfig {
     /// The first tokens of every subject. A new tree records it; an existing one must hold the
     /// same (see [`recorded_subject_prefix`] to open one with whatever it holds).
     pub subject_prefix: SubjectPrefix,
+    /// Read the dedupe window's msg ids as soon as the log opens, on its writer thread, rather
+    /// than when the first append arrives: a server's first append after a restart then waits
+    /// only for what is left of the read. Off by default, so a process that only reads (the
+    /// replay tool) never pays for it.
+    pub read_window_at_open: bool,
 }
 
 impl Default for EmbeddedConfig {
@@ -190,6 +195,7 @@ impl Default for EmbeddedConfig {
             group_commit_records_max: 4096,
             clock: Arc::new(SystemClock),
             subject_prefix: SubjectPrefix::default(),
+            read_window_at_open: false,
         }
     }
 }
@@ -257,6 +263,7 @@ impl EmbeddedLog {
         let writer = LogWriter {
             window: WindowIds::default(),
             window_built: false,
+            read_window_at_open: config.read_window_at_open,
             window_len: window_len.clone(),
             tree: tree.clone(),
             layout,
@@ -615,6 +622,8 @@ struct LogWriter {
     /// before the first append is decided.
     window: WindowIds,
     window_built: bool,
+    /// Build the window before waiting for the first append (see [`EmbeddedConfig`]).
+    read_window_at_open: bool,
     /// `window.len()`, for [`EmbeddedLog::window_ids`].
     window_len: Arc<AtomicUsize>,
     tree: sled::Tree,
@@ -677,6 +686,9 @@ struct PlannedGroup {
 impl LogWriter {
     /// Runs until every sender is gone (the log was dropped), answering what was queued.
     fn run(mut self) {
+        if self.read_window_at_open {
+            self.build_window();
+        }
         while let Some(first) = self.requests.blocking_recv() {
             if !self.window_built {
                 self.build_window();
@@ -1865,6 +1877,36 @@ mod tests {
         assert!(outcomes.iter().all(|o| matches!(o, AppendOutcome::Duplicate { .. })), "every repeat is a duplicate");
         assert_eq!(log.window_ids(), total + interleaved, "one id per record");
         drop(log);
+    }
+
+    /// Opened to read its window at once, the log reads the window's ids before any append,
+    /// and they dedupe from the first append on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_log_told_to_read_its_window_at_open_reads_it_before_any_append() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        let total = WINDOW_SPLIT_READ_MIN as usize + 1_000;
+        {
+            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+            let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
+            for chunk in ids.chunks(5_000) {
+                let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
+                log.append_batch(records).await.expect("append");
+            }
+        }
+        let config = EmbeddedConfig { read_window_at_open: true, ..EmbeddedConfig::default() };
+        let log = EmbeddedLog::open(db.clone(), config).expect("reopen");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while log.window_ids() < total {
+            assert!(std::time::Instant::now() < deadline, "{} of {total} ids read, no append made", log.window_ids());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let outcomes = log
+            .append_batch(vec![record("anima.v1.config", "id-000000", b"x"), record("anima.v1.config", "new", b"y")])
+            .await
+            .expect("append");
+        let next = total as u64 + 1;
+        assert_eq!(outcomes, vec![AppendOutcome::Duplicate { seq: 1 }, AppendOutcome::Appended { seq: next }]);
     }
 
     /// A window read in two halves (one of them on a helper thread) still fails closed on a
