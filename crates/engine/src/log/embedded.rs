@@ -961,7 +961,8 @@ fn read_window_ids(
         let newer = std::thread::Builder::new()
             .name("anima-log-window".into())
             .spawn_scoped(scope, || -> LogResult<Vec<(IdPrint, u64)>> {
-                let mut ids = Vec::with_capacity((last_seq + 1 - newer_from) as usize);
+                // Sized for a window of up to about 2M records; a larger one grows the list.
+                let mut ids = Vec::with_capacity(((last_seq + 1 - newer_from) as usize).min(1 << 20));
                 visit_records(tree, layout, newer_from, last_seq, |seq, parts, _| {
                     ids.push((IdPrint::of(parts.msg_id), seq));
                     Ok(true)
