@@ -1837,6 +1837,18 @@ mod tests {
         drop(log);
     }
 
+    /// Appends the ids `id-000000` on, `total` of them, one record each, in batches of 5,000,
+    /// through a log that is closed again; returns the ids.
+    async fn store_ids(db: &sled::Db, total: usize) -> Vec<String> {
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+        let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
+        for chunk in ids.chunks(5_000) {
+            let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
+            log.append_batch(records).await.expect("append");
+        }
+        ids
+    }
+
     /// Reopened on many more msg ids than one group commit takes, the log answers repeats as
     /// duplicates and new ids as appended from its first append on, and keeps one id per record
     /// of the window.
@@ -1845,14 +1857,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
         let total = 51_217;
-        let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
-        {
-            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
-            for chunk in ids.chunks(5_000) {
-                let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
-                log.append_batch(records).await.expect("append");
-            }
-        }
+        let ids = store_ids(&db, total).await;
         let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
         // From the first append on: a repeat from the end of the log, one from its start, and a
         // new id.
@@ -1887,14 +1892,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
         let total = WINDOW_SPLIT_READ_MIN as usize + 1_000;
-        {
-            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
-            let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
-            for chunk in ids.chunks(5_000) {
-                let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
-                log.append_batch(records).await.expect("append");
-            }
-        }
+        store_ids(&db, total).await;
         let config = EmbeddedConfig { read_window_at_open: true, ..EmbeddedConfig::default() };
         let log = EmbeddedLog::open(db.clone(), config).expect("reopen");
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -1918,14 +1916,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = sled::open(dir.path()).expect("sled");
         let total = 2 * WINDOW_SPLIT_READ_MIN + 100;
-        {
-            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
-            let ids: Vec<String> = (0..total).map(|n| format!("id-{n:06}")).collect();
-            for chunk in ids.chunks(5_000) {
-                let records = chunk.iter().map(|id| record("anima.v1.config", id, b"x")).collect();
-                log.append_batch(records).await.expect("append");
-            }
-        }
+        store_ids(&db, total as usize).await;
         // The group entry holding the last record of the older half (seqs 1..=total/2).
         let tree = db.open_tree(TREE_NAME).expect("tree");
         let layout = RecordLayout::Grouped;
