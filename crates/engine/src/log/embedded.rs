@@ -1941,6 +1941,40 @@ mod tests {
         assert_eq!(log.window_ids(), 0);
     }
 
+    /// A hole that ends exactly where the window's newer half begins leaves both halves whole
+    /// in themselves: only the check that the older half ended where the newer one begins sees
+    /// it, and the first append is refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hole_ending_where_the_newer_half_begins_refuses_appends() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = sled::open(dir.path()).expect("sled");
+        // One append of a group's worth of records at a time: one group entry each, so group
+        // entries begin at seqs 1, 65, 129, … and one begins where the newer half does.
+        let groups = 2 * (WINDOW_SPLIT_READ_MIN as usize).div_ceil(2 * GROUP_RECORDS_MAX);
+        let total = (groups * GROUP_RECORDS_MAX) as u64;
+        let newer_from = 1 + total / 2;
+        {
+            let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("open");
+            for group in 0..groups {
+                let records = (0..GROUP_RECORDS_MAX)
+                    .map(|n| record("anima.v1.config", &format!("id-{group}-{n}"), b"x"))
+                    .collect();
+                log.append_batch(records).await.expect("append");
+            }
+        }
+        let tree = db.open_tree(TREE_NAME).expect("tree");
+        let layout = RecordLayout::Grouped;
+        assert!(tree.get(layout.key(newer_from)).expect("read").is_some(), "a group begins at {newer_from}");
+        let hole = newer_from - GROUP_RECORDS_MAX as u64;
+        assert!(tree.remove(layout.key(hole)).expect("remove").is_some(), "the group before it begins at {hole}");
+        tree.flush().expect("flush");
+
+        let log = EmbeddedLog::open(db.clone(), EmbeddedConfig::default()).expect("reopen");
+        let refused = log.append_batch(vec![record("anima.v1.config", "new", b"y")]).await;
+        let refused = refused.expect_err("a damaged window refuses appends");
+        assert!(refused.to_string().contains(&format!("record {hole} is missing")), "{refused}");
+    }
+
     /// A tree as builds before the subject record left it: layout 1, a record on a subject of
     /// the first encoding.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
