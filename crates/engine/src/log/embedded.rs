@@ -263,7 +263,6 @@ impl EmbeddedLog {
         let writer = LogWriter {
             window: WindowIds::default(),
             window_built: false,
-            read_window_at_open: config.read_window_at_open,
             window_len: window_len.clone(),
             tree: tree.clone(),
             layout,
@@ -279,9 +278,10 @@ impl EmbeddedLog {
             tear_next_group_after: Default::default(),
         };
         let tear_next_group_after = writer.tear_next_group_after.clone();
+        let read_window_at_open = config.read_window_at_open;
         let writer = std::thread::Builder::new()
             .name("anima-log-writer".into())
-            .spawn(move || writer.run())
+            .spawn(move || writer.run(read_window_at_open))
             .map_err(|e| LogError::Store(format!("cannot start the embedded log writer: {e}")))?;
         tracing::info!(
             stream = %stream_id,
@@ -622,8 +622,6 @@ struct LogWriter {
     /// before the first append is decided.
     window: WindowIds,
     window_built: bool,
-    /// Build the window before waiting for the first append (see [`EmbeddedConfig`]).
-    read_window_at_open: bool,
     /// `window.len()`, for [`EmbeddedLog::window_ids`].
     window_len: Arc<AtomicUsize>,
     tree: sled::Tree,
@@ -684,9 +682,11 @@ struct PlannedGroup {
 }
 
 impl LogWriter {
-    /// Runs until every sender is gone (the log was dropped), answering what was queued.
-    fn run(mut self) {
-        if self.read_window_at_open {
+    /// Runs until every sender is gone (the log was dropped), answering what was queued;
+    /// `read_window_at_open`: builds the window before waiting for the first append (see
+    /// [`EmbeddedConfig`]).
+    fn run(mut self, read_window_at_open: bool) {
+        if read_window_at_open {
             self.build_window();
         }
         while let Some(first) = self.requests.blocking_recv() {
@@ -950,10 +950,7 @@ fn read_window_ids(
 ) -> LogResult<()> {
     let records = (last_seq + 1).saturating_sub(from_seq);
     if records < WINDOW_SPLIT_READ_MIN {
-        visit_records(tree, layout, from_seq, last_seq, |seq, parts, _| {
-            window.insert(IdPrint::of(parts.msg_id), seq);
-            Ok(true)
-        })?;
+        read_ids_into(tree, layout, from_seq, last_seq, window)?;
         return Ok(());
     }
     let newer_from = from_seq + records / 2;
@@ -970,10 +967,7 @@ fn read_window_ids(
                 Ok(ids)
             })
             .map_err(|e| LogError::Store(format!("cannot start the window's reading thread: {e}")))?;
-        let older = visit_records(tree, layout, from_seq, newer_from - 1, |seq, parts, _| {
-            window.insert(IdPrint::of(parts.msg_id), seq);
-            Ok(true)
-        });
+        let older = read_ids_into(tree, layout, from_seq, newer_from - 1, window);
         let newer = newer.join().map_err(|_| LogError::Store("the window's reading thread panicked".into()))?;
         // Dense seqs: the older half ends where the newer one begins.
         let older_end = older?;
@@ -984,6 +978,21 @@ fn read_window_ids(
             window.insert(print, seq);
         }
         Ok(())
+    })
+}
+
+/// Reads the msg ids of the records `from_seq..=bound` into `window`; returns the seq after the
+/// last record read, as [`visit_records`] does.
+fn read_ids_into(
+    tree: &sled::Tree,
+    layout: RecordLayout,
+    from_seq: u64,
+    bound: u64,
+    window: &mut WindowIds,
+) -> LogResult<u64> {
+    visit_records(tree, layout, from_seq, bound, |seq, parts, _| {
+        window.insert(IdPrint::of(parts.msg_id), seq);
+        Ok(true)
     })
 }
 
