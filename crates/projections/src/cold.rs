@@ -314,15 +314,18 @@ where
             entry.used = true;
             return;
         }
-        let value = match self.let_go.as_ref() {
-            Some(let_go) if !let_go.may_hold(key) => None,
-            _ => Self::read_stored(tag, key, cold),
-        };
+        let value = if self.never_let_go(key) { None } else { Self::read_stored(tag, key, cold) };
         if value.is_some() {
             self.present += 1;
             self.count_back(key);
         }
         self.map.insert(key.clone(), Entry::new(value));
+    }
+
+    /// Whether `key`, unknown in memory, is known absent from the store without reading it: the
+    /// table counts what it let go of, and no entry it let go of has `key`'s fingerprint.
+    fn never_let_go(&self, key: &K) -> bool {
+        self.let_go.as_ref().is_some_and(|let_go| !let_go.may_hold(key))
     }
 
     /// Before a write over `key` (insert or forget) that does not read it: brings it in if the
@@ -548,7 +551,10 @@ where
     {
         match self.map.get(key) {
             Some(entry) => entry.value.as_ref().map(std::borrow::Cow::Borrowed),
-            None if self.complete => None,
+            // A key the table never let go of is not in the store: no read, as in `ensure`. A
+            // fold path asks this of every new surface (the surface keys), which under
+            // `anima-load` was one read in thirteen once entries left memory (README, stop 51).
+            None if self.complete || self.never_let_go(key) => None,
             None => Self::read_stored(tag, key, cold).map(std::borrow::Cow::Owned),
         }
     }
@@ -901,6 +907,21 @@ mod tests {
         table.ensure(TAG, &20_000, &cold);
         assert_eq!((table.get(&1), table.get(&20_000)), (Some(&2), None));
         assert_eq!(*store.reads.lock().unwrap(), reads_before + 1, "the count answers for a key never stored");
+    }
+
+    /// A reader holding the state shared reads the store for a key the table let go of, and
+    /// not for a key it never held (a new surface's key, looked up before it is interned).
+    #[test]
+    fn a_shared_read_of_a_key_never_let_go_asks_the_store_nothing() {
+        let (store, cold, mut table) = checkpointed_table(1_000);
+        table.evict(usize::MAX);
+        assert_eq!(table.resident_len(), 0);
+        let reads_before = *store.reads.lock().unwrap();
+        assert_eq!(table.get_or_read(TAG, &5_000, &cold), None);
+        assert_eq!(table.read_through(TAG, &5_001, &cold), None);
+        assert_eq!(*store.reads.lock().unwrap(), reads_before, "a key never let go was read from the store");
+        assert_eq!(table.get_or_read(TAG, &7, &cold).as_deref(), Some(&14));
+        assert_eq!(*store.reads.lock().unwrap(), reads_before + 1, "a key let go of is read back");
     }
 
     #[test]
