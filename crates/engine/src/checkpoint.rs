@@ -541,6 +541,13 @@ impl anima_projections::cold::ColdStore for StoredCold {
         self.reads.count(started, key, usize::from(found), value)
     }
 
+    fn get_page(&self, key: &[u8]) -> Result<anima_projections::cold::Entries, String> {
+        let started = Instant::now();
+        let entries = state_get_page(&self.tree, key).map_err(|e| e.to_string());
+        let found = entries.as_ref().map_or(0, Vec::len);
+        self.reads.count(started, key, found, entries)
+    }
+
     fn scan(&self, prefix: &[u8]) -> Result<anima_projections::cold::Entries, String> {
         let started = Instant::now();
         let entries = state_scan(&self.tree, prefix).map_err(|e| e.to_string());
@@ -604,6 +611,18 @@ fn state_get(tree: &fjall::Keyspace, key: &[u8]) -> Result<Option<Vec<u8>>, Chec
             None => Ok(None),
         },
         None => Ok(tree.get(state_key(key))?.map(|v| v.to_vec())),
+    }
+}
+
+/// The stored state entries of the slot page that holds `key` (state keys), one by one; for a
+/// key of a table not kept in pages, its own entry.
+fn state_get_page(tree: &fjall::Keyspace, key: &[u8]) -> Result<anima_projections::cold::Entries, CheckpointError> {
+    match slot_page::paged_key(key) {
+        Some(paged) => match tree.get(state_key(&paged.page_key))? {
+            Some(page) => Ok(slot_page::page_entries(&paged.page_key, &page)?),
+            None => Ok(Vec::new()),
+        },
+        None => Ok(tree.get(state_key(key))?.map(|value| vec![(key.to_vec(), value.to_vec())]).unwrap_or_default()),
     }
 }
 

@@ -43,6 +43,12 @@ pub trait ColdStore: Send + Sync {
     fn scan_after(&self, prefix: &[u8], after: Option<&[u8]>, limit: usize) -> Result<Entries, String> {
         Ok(page_of(self.scan(prefix)?, after, limit))
     }
+    /// The stored entries of the slot page that holds `key` (a key of a table kept in pages,
+    /// [`crate::slot_page`]), one by one: what one read of the page gives. A store that keeps
+    /// no pages gives `key`'s own entry, if any.
+    fn get_page(&self, key: &[u8]) -> Result<Entries, String> {
+        Ok(self.get(key)?.map(|value| vec![(key.to_vec(), value)]).unwrap_or_default())
+    }
 }
 
 /// The first `limit` of `entries` (in key-byte order) whose key comes after `after`.
@@ -95,6 +101,10 @@ impl Cold {
 
     fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
         self.read(|store| store.get(key)).flatten()
+    }
+
+    fn get_page(&self, key: &[u8]) -> Entries {
+        self.read(|store| store.get_page(key)).unwrap_or_default()
     }
 
     pub(crate) fn scan(&self, prefix: &[u8]) -> Entries {
@@ -320,6 +330,35 @@ where
             self.count_back(key);
         }
         self.map.insert(key.clone(), Entry::new(value));
+    }
+
+    /// [`ColdTable::ensure`], bringing in with `key` every other entry that the store keeps in
+    /// the same slot page ([`crate::slot_page`]): one read for up to
+    /// [`crate::slot_page::SLOTS_PER_PAGE`] entries, for a caller that wants the entries beside
+    /// `key` next, such as a window that forgets its oldest entry one at a time. An entry of the
+    /// page that memory knows (present, or known absent) stays as memory has it; any other is
+    /// what the store holds for it, which is what `ensure` would read for it.
+    pub fn ensure_with_page(&mut self, tag: u8, key: &K, cold: &Cold) {
+        if self.complete {
+            return;
+        }
+        if let Some(entry) = self.map.get_mut(key) {
+            entry.used = true;
+            return;
+        }
+        if !self.never_let_go(key) {
+            for (stored_key, bytes) in cold.get_page(&crate::state::tagged(tag, &S::slot(key))) {
+                let (stored, value) = Self::decode_stored(&stored_key, &bytes);
+                if !self.map.contains_key(&stored) {
+                    self.present += 1;
+                    self.count_back(&stored);
+                    self.map.insert(stored, Entry::new(Some(value)));
+                }
+            }
+        }
+        if !self.map.contains_key(key) {
+            self.map.insert(key.clone(), Entry::new(None));
+        }
     }
 
     /// Whether `key`, unknown in memory, is known absent from the store without reading it: the

@@ -558,7 +558,10 @@ impl State {
         self.settled_order.insert((agent_key, order), (order, item_id.to_owned()));
         if order >= SETTLED_REMEMBERED_MAX as u64 {
             let oldest = (agent_key, order - SETTLED_REMEMBERED_MAX as u64);
-            self.settled_order.ensure(SETTLED_ORDER_TAG, &oldest, &self.cold);
+            // The oldest's slot page holds the next three oldest too, forgotten at the next
+            // settles: one read for four (settled-order slots were the fold's most frequent
+            // and most often slow read back under `anima-load`, README stop 51).
+            self.settled_order.ensure_with_page(SETTLED_ORDER_TAG, &oldest, &self.cold);
             if let Some((old_order, old_id)) = self.settled_order.remove(&oldest) {
                 // The id may have settled again since: then its entry is the newer one and stays.
                 let key = (agent_key, old_id);

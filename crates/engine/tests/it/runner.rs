@@ -646,6 +646,22 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
     for absent in [row(1, 0), row(200, 10), row(3, 5), item("ada", 9_999), other(77)] {
         assert_eq!(cold.get(&absent).expect("get"), None, "{absent:?}");
     }
+    // One read of a key's page gives every entry written in the page, removed or not-written
+    // ones left out; a key stored as itself gives its own entry.
+    for key in [row(1, 0), row(1, 9), row(200, 64), row(200, 3), item("ada", 7), item("bo", 30), other(3), other(77)] {
+        let page = paged_key(&key).map(|paged| paged.page_key);
+        let expected: Vec<_> = model
+            .iter()
+            .filter(|(k, _)| match &page {
+                Some(page) => paged_key(k).is_some_and(|other| &other.page_key == page),
+                None => **k == key,
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let read = cold.get_page(&key).expect("get_page");
+        assert!(read == expected, "the page of {key:?}: {read:?} against {expected:?}");
+    }
+    assert!(!cold.get_page(&row(1, 1)).expect("get_page").is_empty() && cold.get_page(&row(3, 5)).unwrap().is_empty());
     let prefixes = [
         vec![26],
         [vec![26], postcard::to_stdvec(&1u32).unwrap()].concat(),

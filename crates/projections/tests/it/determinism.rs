@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use anima_projections::cold::{Cold, ColdStore};
+use anima_projections::slot_page;
 
 use anima_projections::journal::RECENT_ROWS_MAX;
 use anima_projections::proto::{envelope::Payload, Envelope, WakeOutcome};
@@ -184,6 +185,23 @@ impl ColdStore for MemoryStore {
         Ok(entries
             .range(prefix.to_vec()..)
             .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
+    }
+
+    /// One read, as the checkpoint store reads a slot page: the stored entries (kept one by one
+    /// here) that fall in `key`'s page.
+    fn get_page(&self, key: &[u8]) -> Result<anima_projections::cold::Entries, String> {
+        let Some(page) = slot_page::paged_key(key) else {
+            return Ok(self.get(key)?.map(|value| vec![(key.to_vec(), value)]).unwrap_or_default());
+        };
+        let table = key.first().and_then(|tag| State::table_of_tag(*tag)).unwrap_or("?");
+        *self.1.lock().unwrap().entry(table).or_default() += 1;
+        let entries = self.0.lock().unwrap();
+        Ok(entries
+            .range(key[..1].to_vec()..)
+            .take_while(|(k, _)| k.first() == key.first())
+            .filter(|(k, _)| slot_page::paged_key(k).is_some_and(|other| other.page_key == page.page_key))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect())
     }
@@ -1217,6 +1235,10 @@ fn settled_ids_beyond_the_window_are_forgotten_alike_with_nothing_cold_in_memory
         both(&mut kept, &mut evicting, start("anna", "w1"));
         both(&mut kept, &mut evicting, finish("anna", "w1", anima_projections::proto::WakeOutcome::Completed));
     }
+    // Forgetting the 20 oldest read their slots a page of four at a time (a checkpoint with
+    // everything let go of may fall between two of them).
+    let order_reads = evicting.checkpoint.1.lock().unwrap().get("settled_order").copied().unwrap_or(0);
+    assert!((1..=7).contains(&order_reads), "{order_reads} reads of the settle order for 20 forgotten");
     evicting.checkpoint();
     evicting.log.state.evict_cold(usize::MAX);
     assert_eq!(evicting.log.state.cold_resident_len(), 0, "nothing cold stays in memory");
