@@ -559,8 +559,8 @@ impl State {
         if order >= SETTLED_REMEMBERED_MAX as u64 {
             let oldest = (agent_key, order - SETTLED_REMEMBERED_MAX as u64);
             // The oldest's slot page holds the next three oldest too, forgotten at the next
-            // settles: one read for four (settled-order slots were the fold's most frequent
-            // and most often slow read back under `anima-load`, README stop 51).
+            // settles: one read for four (under `anima-load` the settle order was the second
+            // most frequent of the fold's reads back, and the most often slow; README stop 51).
             self.settled_order.ensure_with_page(SETTLED_ORDER_TAG, &oldest, &self.cold);
             if let Some((old_order, old_id)) = self.settled_order.remove(&oldest) {
                 // The id may have settled again since: then its entry is the newer one and stays.
