@@ -394,7 +394,11 @@ impl State {
         self.identity_order.insert((surface, ordinal), (ordinal, ts));
         if ordinal > IDENTITIES_PER_SURFACE_MAX {
             let oldest = (surface, ordinal - IDENTITIES_PER_SURFACE_MAX);
-            self.identity_order.ensure(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
+            // The oldest's slot page holds the surface's next three oldest too, forgotten at its
+            // next messages: one read for four, as for the settle order (in a 10-minute
+            // `anima-load` run the identity order was the most often slow read back, README
+            // stop 51).
+            self.identity_order.ensure_with_page(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
             if let Some((_, old_ts)) = self.identity_order.remove(&oldest) {
                 let old = (surface, old_ts);
                 self.identities.ensure_for_write(crate::state::IDENTITIES_TAG, &old, &self.cold);
