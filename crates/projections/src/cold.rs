@@ -317,11 +317,7 @@ where
     /// Brings `key` into memory from the store if it is unknown, so that [`ColdTable::get`]
     /// answers for it. `tag` is the table's checkpoint tag.
     pub fn ensure(&mut self, tag: u8, key: &K, cold: &Cold) {
-        if self.complete {
-            return;
-        }
-        if let Some(entry) = self.map.get_mut(key) {
-            entry.used = true;
+        if self.answers_for(key) {
             return;
         }
         let value = if self.never_let_go(key) { None } else { Self::read_stored(tag, key, cold) };
@@ -339,11 +335,7 @@ where
     /// page that memory knows (present, or known absent) stays as memory has it; any other is
     /// what the store holds for it, which is what `ensure` would read for it.
     pub fn ensure_with_page(&mut self, tag: u8, key: &K, cold: &Cold) {
-        if self.complete {
-            return;
-        }
-        if let Some(entry) = self.map.get_mut(key) {
-            entry.used = true;
+        if self.answers_for(key) {
             return;
         }
         if !self.never_let_go(key) {
@@ -358,6 +350,21 @@ where
         }
         if !self.map.contains_key(key) {
             self.map.insert(key.clone(), Entry::new(None));
+        }
+    }
+
+    /// Whether memory answers for `key` without the store (the table is complete, or holds
+    /// `key` present or known absent, which counts as a use of it).
+    fn answers_for(&mut self, key: &K) -> bool {
+        if self.complete {
+            return true;
+        }
+        match self.map.get_mut(key) {
+            Some(entry) => {
+                entry.used = true;
+                true
+            }
+            None => false,
         }
     }
 

@@ -950,7 +950,7 @@ fn read_window_ids(
 ) -> LogResult<()> {
     let records = (last_seq + 1).saturating_sub(from_seq);
     if records < WINDOW_SPLIT_READ_MIN {
-        read_ids_into(tree, layout, from_seq, last_seq, window)?;
+        read_ids(tree, layout, from_seq, last_seq, |print, seq| window.insert(print, seq))?;
         return Ok(());
     }
     let newer_from = from_seq + records / 2;
@@ -960,14 +960,11 @@ fn read_window_ids(
             .spawn_scoped(scope, || -> LogResult<Vec<(IdPrint, u64)>> {
                 // Sized for a window of up to about 2M records; a larger one grows the list.
                 let mut ids = Vec::with_capacity(((last_seq + 1 - newer_from) as usize).min(1 << 20));
-                visit_records(tree, layout, newer_from, last_seq, |seq, parts, _| {
-                    ids.push((IdPrint::of(parts.msg_id), seq));
-                    Ok(true)
-                })?;
+                read_ids(tree, layout, newer_from, last_seq, |print, seq| ids.push((print, seq)))?;
                 Ok(ids)
             })
             .map_err(|e| LogError::Store(format!("cannot start the window's reading thread: {e}")))?;
-        let older = read_ids_into(tree, layout, from_seq, newer_from - 1, window);
+        let older = read_ids(tree, layout, from_seq, newer_from - 1, |print, seq| window.insert(print, seq));
         let newer = newer.join().map_err(|_| LogError::Store("the window's reading thread panicked".into()))?;
         // Dense seqs: the older half ends where the newer one begins.
         let older_end = older?;
@@ -981,17 +978,17 @@ fn read_window_ids(
     })
 }
 
-/// Reads the msg ids of the records `from_seq..=bound` into `window`; returns the seq after the
-/// last record read, as [`visit_records`] does.
-fn read_ids_into(
+/// Hands `put` the msg id fingerprint and seq of each record `from_seq..=bound`, in seq order;
+/// returns the seq after the last record read, as [`visit_records`] does.
+fn read_ids(
     tree: &sled::Tree,
     layout: RecordLayout,
     from_seq: u64,
     bound: u64,
-    window: &mut WindowIds,
+    mut put: impl FnMut(IdPrint, u64),
 ) -> LogResult<u64> {
     visit_records(tree, layout, from_seq, bound, |seq, parts, _| {
-        window.insert(IdPrint::of(parts.msg_id), seq);
+        put(IdPrint::of(parts.msg_id), seq);
         Ok(true)
     })
 }
