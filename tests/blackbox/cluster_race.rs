@@ -118,23 +118,10 @@ struct Kill {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_send_is_allowed_over_a_foreign_message_across_stream_leader_kills() {
     let test_started = Instant::now();
-    let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+    // JetStream places replicated streams only once it has elected its meta leader and knows
+    // every peer; until then an engine cannot create its stream and refuses to start.
+    let mut cluster = NatsCluster::start_placing().await;
     let admin = cluster.admin().await;
-    // JetStream elects its meta leader a few seconds after the nodes start, and places
-    // replicated streams only once it knows every peer; until then an engine cannot create its
-    // stream and refuses to start. A throwaway R3 stream shows when placement works.
-    poll_until("the cluster places an R3 stream", || async {
-        let probe = async_nats::jetstream::stream::Config {
-            name: "PLACEMENT_PROBE".into(),
-            subjects: vec!["placement-probe".into()],
-            num_replicas: 3,
-            storage: async_nats::jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        };
-        admin.create_stream(probe).await.ok()?;
-        admin.delete_stream("PLACEMENT_PROBE").await.ok()
-    })
-    .await;
 
     // Both engines get the whole server list; the first creates the stream with 3 replicas.
     let options = ServerOptions { args: vec!["--replicas".into(), "3".into()], ..ServerOptions::default() };

@@ -132,9 +132,14 @@ impl NatsServer {
         self.child.is_some()
     }
 
+    /// The server's log (standard output and error), in its directory.
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("nats-server.log")
+    }
+
     /// Spawns the server and waits (bounded) until its port accepts connections.
     fn spawn_and_wait(&mut self) -> Result<(), String> {
-        let log_path = self.dir.path().join("nats-server.log");
+        let log_path = self.log_path();
         let log = File::options()
             .create(true)
             .append(true)
@@ -401,6 +406,13 @@ impl SeededRng {
 /// Each is seconds when things work; the bound turns a hang into a failure.
 pub const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
 
+/// How long a new cluster may take to place its first replicated stream before the fixture gives
+/// it up and starts another. JetStream elects its meta leader a few seconds after the nodes
+/// start; a cluster that has not placed a stream after this long is not forming (a route port
+/// taken by another process between the port probe and the node's bind, an election stuck on an
+/// overloaded machine), and waiting on it longer only turns a fixture problem into a test failure.
+const CLUSTER_PLACEMENT_WAIT: Duration = Duration::from_secs(30);
+
 /// Timeout of a cluster test's own questions (stream info): short, so a question sent to the node
 /// just killed does not hide how soon the others elected a leader.
 const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
@@ -443,16 +455,85 @@ pub async fn stream_view(admin: &async_nats::jetstream::Context, stream: &str) -
 }
 
 impl NatsCluster {
+    /// Starts a cluster ([`NatsCluster::start`]) and waits until it places a replicated stream:
+    /// a throwaway R3 stream in memory is created and deleted, which needs the meta leader and
+    /// every peer. A cluster that does not within [`CLUSTER_PLACEMENT_WAIT`] is stopped and
+    /// another started on new ports, at most [`START_ATTEMPTS_MAX`] times; each attempt's last
+    /// error and the tails of its nodes' logs are printed (shown with a failing test's output)
+    /// and given in the panic when every attempt failed.
+    pub async fn start_placing() -> NatsCluster {
+        let mut failures = Vec::new();
+        for attempt in 1..=START_ATTEMPTS_MAX {
+            let cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+            match cluster.place_probe_stream().await {
+                Ok(()) => return cluster,
+                Err(last_error) => {
+                    let failure = format!(
+                        "attempt {attempt}: no R3 stream placed within {CLUSTER_PLACEMENT_WAIT:?}; last error: \
+                         {last_error}\n{}",
+                        cluster.log_tails()
+                    );
+                    eprintln!("{failure}");
+                    failures.push(failure);
+                }
+            }
+        }
+        panic!("the nats-server cluster never placed a replicated stream:\n{}", failures.join("\n"));
+    }
+
+    /// Creates and deletes a throwaway R3 stream in memory, retrying until
+    /// [`CLUSTER_PLACEMENT_WAIT`]; the last error when it never could.
+    async fn place_probe_stream(&self) -> Result<(), String> {
+        const PROBE: &str = "PLACEMENT_PROBE";
+        const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+        // Longer than a test's own questions: placing a replicated stream on a loaded machine
+        // can take seconds, and a probe that times out each time would never see it done.
+        let admin = self.context(PROBE_TIMEOUT).await;
+        let deadline = tokio::time::Instant::now() + CLUSTER_PLACEMENT_WAIT;
+        loop {
+            let probe = async_nats::jetstream::stream::Config {
+                name: PROBE.into(),
+                subjects: vec!["placement-probe".into()],
+                num_replicas: CLUSTER_NODES,
+                storage: async_nats::jetstream::stream::StorageType::Memory,
+                ..Default::default()
+            };
+            let last_error = match admin.create_stream(probe).await {
+                Ok(_) => match admin.delete_stream(PROBE).await {
+                    Ok(_) => return Ok(()),
+                    Err(e) => format!("delete the probe stream: {e}"),
+                },
+                Err(e) => format!("create the probe stream: {e}"),
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(last_error);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The last lines of every node's log, each under its node's name.
+    fn log_tails(&self) -> String {
+        let tails =
+            self.nodes.iter().enumerate().map(|(index, node)| format!("n{index} log:\n{}", log_tail(&node.log_path())));
+        tails.collect::<Vec<_>>().join("\n")
+    }
+
     /// A JetStream context on the whole cluster for a test's own questions, with short timeouts
     /// and pings.
     pub async fn admin(&self) -> async_nats::jetstream::Context {
+        self.context(ADMIN_TIMEOUT).await
+    }
+
+    /// A JetStream context on the whole cluster whose requests wait at most `timeout`.
+    async fn context(&self, timeout: Duration) -> async_nats::jetstream::Context {
         let servers = crate::log::jetstream::parse_servers(&self.urls()).expect("the fixture's URLs parse");
         let client = async_nats::ConnectOptions::new()
-            .request_timeout(Some(ADMIN_TIMEOUT))
-            .ping_interval(ADMIN_TIMEOUT)
+            .request_timeout(Some(timeout))
+            .ping_interval(timeout)
             .connect(servers)
             .await
             .expect("admin connection");
-        async_nats::jetstream::ContextBuilder::new().timeout(ADMIN_TIMEOUT).build(client)
+        async_nats::jetstream::ContextBuilder::new().timeout(timeout).build(client)
     }
 }

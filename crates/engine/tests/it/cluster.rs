@@ -122,21 +122,23 @@ async fn write_through_failovers(
     written
 }
 
-/// The log on an R3 stream of the cluster. JetStream elects its meta leader a few seconds after
-/// the nodes start: until then creating the stream is unavailable.
+/// The log on an R3 stream of the cluster (placed already: [`NatsCluster::start_placing`]). A
+/// connect that stays unavailable for [`CLUSTER_STEP_DEADLINE`] fails the test with the last
+/// reason it gave.
 async fn connect_r3(cluster: &NatsCluster) -> JetStreamLog {
     let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
-    poll_until("the R3 stream is created", || {
-        let config = config.clone();
-        async move {
-            match JetStreamLog::connect(config).await {
-                Ok(log) => Some(log),
-                Err(LogError::Unavailable(_)) => None,
-                Err(e) => panic!("connect to the cluster: {e}"),
-            }
+    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
+    loop {
+        match JetStreamLog::connect(config.clone()).await {
+            Ok(log) => return log,
+            Err(LogError::Unavailable(reason)) => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the R3 stream is created: not within {CLUSTER_STEP_DEADLINE:?}; last: {reason}"
+            ),
+            Err(e) => panic!("connect to the cluster: {e}"),
         }
-    })
-    .await
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Given a 3-node cluster and an R3 stream, when the stream leader is killed (SIGKILL) three
@@ -147,7 +149,7 @@ async fn connect_r3(cluster: &NatsCluster) -> JetStreamLog {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_stream_leader_loses_and_duplicates_no_acknowledged_event() {
     let test_started = tokio::time::Instant::now();
-    let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+    let mut cluster = NatsCluster::start_placing().await;
     let log = connect_r3(&cluster).await;
     let log = Arc::new(log);
     let admin = cluster.admin().await;
@@ -317,7 +319,7 @@ async fn only_consumer(admin: &async_nats::jetstream::Context) -> (String, Strin
 /// asserted: speed is the report's, not the test's).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follow_whose_consumer_dies_with_its_node_delivers_what_is_appended_after() {
-    let mut cluster = tokio::task::spawn_blocking(NatsCluster::start).await.expect("cluster start task");
+    let mut cluster = NatsCluster::start_placing().await;
     let log = connect_r3(&cluster).await;
     let admin = cluster.admin().await;
     poll_until("the stream has a leader and current followers", || async {
