@@ -408,9 +408,9 @@ pub const CLUSTER_STEP_DEADLINE: Duration = Duration::from_secs(60);
 
 /// How long a new cluster may take to place its first replicated stream before the fixture gives
 /// it up and starts another. JetStream elects its meta leader a few seconds after the nodes
-/// start; a cluster that has not placed a stream after this long is not forming (a route port
-/// taken by another process between the port probe and the node's bind, an election stuck on an
-/// overloaded machine), and waiting on it longer only turns a fixture problem into a test failure.
+/// start; a cluster that has not placed a stream after this long is taken as one that does not
+/// form (a route port taken by another process between the port probe and the node's bind would
+/// make one), and the tests that use it are about the engine on a working cluster.
 const CLUSTER_PLACEMENT_WAIT: Duration = Duration::from_secs(30);
 
 /// Timeout of a cluster test's own questions (stream info): short, so a question sent to the node
