@@ -419,13 +419,33 @@ const ADMIN_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Polls `check` every 20 ms until it gives a value, for at most [`CLUSTER_STEP_DEADLINE`].
 pub async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(what: &str, mut check: impl FnMut() -> F) -> T {
-    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
+    let attempt = || {
+        let checked = check();
+        async move { checked.await.ok_or_else(String::new) }
+    };
+    match poll_reporting(CLUSTER_STEP_DEADLINE, Duration::from_millis(20), attempt).await {
+        Ok(value) => value,
+        Err(_) => panic!("{what}: not within {CLUSTER_STEP_DEADLINE:?}"),
+    }
+}
+
+/// Calls `attempt` every `pause` until it gives a value, for at most `wait`; after that, the
+/// reason the last attempt gave, for the failure message.
+pub async fn poll_reporting<T, F: std::future::Future<Output = Result<T, String>>>(
+    wait: Duration,
+    pause: Duration,
+    mut attempt: impl FnMut() -> F,
+) -> Result<T, String> {
+    let deadline = tokio::time::Instant::now() + wait;
     loop {
-        if let Some(value) = check().await {
-            return value;
+        let reason = match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(reason) => reason,
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(reason);
         }
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {CLUSTER_STEP_DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(pause).await;
     }
 }
 
@@ -489,8 +509,7 @@ impl NatsCluster {
         // Longer than a test's own questions: placing a replicated stream on a loaded machine
         // can take seconds, and a probe that times out each time would never see it done.
         let admin = self.context(PROBE_TIMEOUT).await;
-        let deadline = tokio::time::Instant::now() + CLUSTER_PLACEMENT_WAIT;
-        loop {
+        poll_reporting(CLUSTER_PLACEMENT_WAIT, Duration::from_millis(100), || async {
             let probe = async_nats::jetstream::stream::Config {
                 name: PROBE.into(),
                 subjects: vec!["placement-probe".into()],
@@ -498,18 +517,11 @@ impl NatsCluster {
                 storage: async_nats::jetstream::stream::StorageType::Memory,
                 ..Default::default()
             };
-            let last_error = match admin.create_stream(probe).await {
-                Ok(_) => match admin.delete_stream(PROBE).await {
-                    Ok(_) => return Ok(()),
-                    Err(e) => format!("delete the probe stream: {e}"),
-                },
-                Err(e) => format!("create the probe stream: {e}"),
-            };
-            if tokio::time::Instant::now() >= deadline {
-                return Err(last_error);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            admin.create_stream(probe).await.map_err(|e| format!("create the probe stream: {e}"))?;
+            admin.delete_stream(PROBE).await.map_err(|e| format!("delete the probe stream: {e}"))?;
+            Ok(())
+        })
+        .await
     }
 
     /// The last lines of every node's log, each under its node's name.

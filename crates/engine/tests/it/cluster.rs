@@ -7,7 +7,7 @@ use std::time::Duration;
 use anima_engine::log::jetstream::{JetStreamConfig, JetStreamLog};
 use anima_engine::log::{AppendRecord, EventLog, LogError, StoredRecord};
 use anima_engine::subject::{SubjectPrefix, Subjects};
-use anima_engine::testing::{poll_until, stream_view, NatsCluster, NatsServer, CLUSTER_STEP_DEADLINE};
+use anima_engine::testing::{poll_reporting, poll_until, stream_view, NatsCluster, NatsServer, CLUSTER_STEP_DEADLINE};
 use bytes::Bytes;
 use futures::StreamExt;
 
@@ -127,17 +127,19 @@ async fn write_through_failovers(
 /// reason it gave.
 async fn connect_r3(cluster: &NatsCluster) -> JetStreamLog {
     let config = JetStreamConfig { url: cluster.urls(), replicas: 3, ..JetStreamConfig::default() };
-    let deadline = tokio::time::Instant::now() + CLUSTER_STEP_DEADLINE;
-    loop {
-        match JetStreamLog::connect(config.clone()).await {
-            Ok(log) => return log,
-            Err(LogError::Unavailable(reason)) => assert!(
-                tokio::time::Instant::now() < deadline,
-                "the R3 stream is created: not within {CLUSTER_STEP_DEADLINE:?}; last: {reason}"
-            ),
-            Err(e) => panic!("connect to the cluster: {e}"),
+    let connect = || {
+        let config = config.clone();
+        async move {
+            match JetStreamLog::connect(config).await {
+                Ok(log) => Ok(log),
+                Err(LogError::Unavailable(reason)) => Err(reason),
+                Err(e) => panic!("connect to the cluster: {e}"),
+            }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    match poll_reporting(CLUSTER_STEP_DEADLINE, Duration::from_millis(20), connect).await {
+        Ok(log) => log,
+        Err(reason) => panic!("the R3 stream is created: not within {CLUSTER_STEP_DEADLINE:?}; last: {reason}"),
     }
 }
 
