@@ -23,6 +23,12 @@ const START_WAIT_MAX: Duration = Duration::from_secs(60);
 const STOP_WAIT_MAX: Duration = Duration::from_secs(30);
 /// One scrape of `/metrics`; a slower answer counts as a failed probe.
 const SCRAPE_WAIT_MAX: Duration = Duration::from_secs(2);
+/// The engine's log filter unless `ANIMA_LOG` is set: warnings, and the lines its start logs
+/// once (the checkpoint store's open, the restore, the log's open and its dedupe window), which
+/// `anima-scale` reads back.
+const ENGINE_LOG_DEFAULT: &str =
+    "warn,anima_engine::checkpoint=info,anima_engine::projection=info,anima_engine::log::embedded=info";
+
 /// The end of the engine's stderr shown when it fails.
 const STDERR_TAIL_BYTES_MAX: usize = 4_000;
 
@@ -112,7 +118,7 @@ impl EngineProcess {
             .arg("127.0.0.1:0")
             .arg("--metrics-listen")
             .arg("127.0.0.1:0")
-            .env("ANIMA_LOG", std::env::var("ANIMA_LOG").unwrap_or_else(|_| "warn".into()))
+            .env("ANIMA_LOG", std::env::var("ANIMA_LOG").unwrap_or_else(|_| ENGINE_LOG_DEFAULT.into()))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(stderr))
@@ -165,6 +171,13 @@ impl EngineProcess {
     /// The end of what the engine wrote to stderr.
     pub fn stderr_tail(&self) -> String {
         tail_of(&self.stderr_path)
+    }
+
+    /// Everything the engine wrote to stderr so far (its log lines): `anima-scale` reads its
+    /// start's steps from them.
+    #[allow(dead_code)]
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
     /// SIGTERM, then wait up to [`STOP_WAIT_MAX`]; killed after that. Returns how long the stop

@@ -254,6 +254,58 @@ struct Measured {
     state_after_mib: f64,
     /// The fold's reads back from the checkpoint store during the sends: reads, entries, seconds.
     cold: (u64, u64, f64),
+    /// The steps of the start, as the engine logged them.
+    steps: StartSteps,
+}
+
+/// The steps of an engine's start, from its log lines (`None`: the line was not found). The
+/// checkpoint store's open and the log's open run at once; the restore follows both; the
+/// dedupe window's ids are read on the log's writer thread from the log's open on, beside the
+/// rest, and the first append waits for them.
+#[derive(Debug, Default)]
+struct StartSteps {
+    /// The checkpoint store's open (ms) and the journal it read to open (MiB).
+    store_open_ms: Option<f64>,
+    store_journal_mib: Option<f64>,
+    /// The restore of the fold's state from the checkpoint (ms).
+    restore_ms: Option<f64>,
+    /// The dedupe window's msg ids: how many, and how long their read took (ms).
+    window_ids: Option<f64>,
+    window_ms: Option<f64>,
+}
+
+impl StartSteps {
+    fn from_log(log: &str) -> StartSteps {
+        let line = |marker: &str| log.lines().find(|line| line.contains(marker));
+        let field = |line: Option<&str>, name: &str| {
+            let line = line?;
+            let at = line.find(&format!(" {name}="))? + name.len() + 2;
+            line[at..].split_whitespace().next()?.parse::<f64>().ok()
+        };
+        let (store, restored, window) =
+            (line("checkpoint store opened"), line("projection restored"), line("read the dedupe window's msg ids"));
+        StartSteps {
+            store_open_ms: field(store, "open_ms"),
+            store_journal_mib: field(store, "journal_mib"),
+            restore_ms: field(restored, "restore_ms"),
+            window_ids: field(window, "ids"),
+            window_ms: field(window, "took_ms"),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let shown = |value: Option<f64>, decimals: usize, unit: &str| {
+            value.map_or_else(|| "?".to_owned(), |value| format!("{value:.decimals$}{unit}"))
+        };
+        format!(
+            "checkpoint store opened in {} (its journal {}), state restored in {} after it; dedupe window: {} msg ids read in {}",
+            shown(self.store_open_ms, 0, " ms"),
+            shown(self.store_journal_mib, 1, " MiB"),
+            shown(self.restore_ms, 0, " ms"),
+            shown(self.window_ids, 0, ""),
+            shown(self.window_ms, 0, " ms")
+        )
+    }
 }
 
 /// Starts `anima-wake serve` on `data`, times it to serving, and measures sequential Sends.
@@ -316,6 +368,7 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     );
     let state_after_mib = after.state_estimate_bytes as f64 / (1024.0 * 1024.0);
     let (send_p50_ms, send_p99_ms) = (at(0.5), at(0.99));
+    let steps = StartSteps::from_log(&engine.stderr_text());
     engine.stop().await?;
     Ok(Measured {
         start,
@@ -331,6 +384,7 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
         allowed_p50_ms,
         state_after_mib,
         cold,
+        steps,
     })
 }
 
@@ -394,6 +448,7 @@ async fn main() -> anyhow::Result<()> {
             per_send(entries as f64),
             per_send(seconds * 1e6)
         );
+        println!("{:>20}  start: {}", "", m.steps.describe());
     }
     let allowed_ratio = full.allowed_p50_ms.zip(bare.allowed_p50_ms).map(|(full, bare)| full / bare);
     println!(
