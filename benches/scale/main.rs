@@ -241,8 +241,6 @@ struct Measured {
     rss_after_mib: f64,
     send_p50_ms: f64,
     send_p99_ms: f64,
-    /// The checkpoint store's journal when the engine was started (it reads all of it to open).
-    journal_bytes: u64,
     /// Sends the fold held (the surface had moved since the agent last looked: the answer shows
     /// what was missed, read from the log), and their p50.
     held: usize,
@@ -311,7 +309,6 @@ impl StartSteps {
 /// Starts `anima-wake serve` on `data`, times it to serving, and measures sequential Sends.
 async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Measured> {
     let config = format!("[runner]\nmemory_budget_mib = {}\n", args.memory_budget_mib);
-    let journal_bytes = anima_engine::checkpoint::journal_bytes(data);
     let started = Instant::now();
     let engine = EngineProcess::start_on(binary, LogBackend::Embedded, None, &config, Some(data)).await?;
     let start = started.elapsed();
@@ -373,7 +370,6 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     Ok(Measured {
         start,
         first_send: first_send.unwrap_or_default(),
-        journal_bytes,
         rss_started_mib,
         rss_after_mib,
         send_p50_ms,
@@ -426,9 +422,8 @@ async fn main() -> anyhow::Result<()> {
     );
     for (name, m) in [("full history", &full), ("registrations only", &bare)] {
         println!(
-            "{name:>20}: spawn → serving {:.3} s (checkpoint journal {:.1} MiB), → first Send answered {:.3} s, RSS at start {:.0} MiB, after {} sends {:.0} MiB, Send p50 {:.2} ms p99 {:.2} ms",
+            "{name:>20}: spawn → serving {:.3} s, → first Send answered {:.3} s, RSS at start {:.0} MiB, after {} sends {:.0} MiB, Send p50 {:.2} ms p99 {:.2} ms",
             m.start.as_secs_f64(),
-            m.journal_bytes as f64 / (1024.0 * 1024.0),
             m.first_send.as_secs_f64(),
             m.rss_started_mib,
             args.sends,

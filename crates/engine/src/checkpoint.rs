@@ -72,6 +72,12 @@ const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
 /// often but as much each time (16 tables waiting instead of 4) had 3,868 (README, "The
 /// checkpoint store"); 4 MiB with the 8 MiB memtables above (stop 47).
 const TABLE_BYTES: u64 = 4 * 1024 * 1024;
+/// fjall 3.1.13 starts a new journal file when it writes a memtable out while the current one
+/// has passed this many bytes (a constant in its worker; not configurable).
+pub const FJALL_JOURNAL_ROTATION_BYTES: u64 = 64_000_000;
+/// How long [`CheckpointStore::write_out_memtable`] waits for fjall to delete the journal it
+/// replaced.
+const JOURNAL_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The checkpoint store's cache of its tables' blocks when nothing else is configured.
 pub const CHECKPOINT_CACHE_BYTES_DEFAULT: u64 = 64 * 1024 * 1024;
 
@@ -125,7 +131,6 @@ impl CheckpointDb {
     /// takes `cache_bytes`.
     pub fn open(data_dir: &std::path::Path, cache_bytes: u64) -> Result<Self, CheckpointError> {
         let started = Instant::now();
-        let journal_bytes = journal_bytes(data_dir);
         let db = fjall::Database::builder(data_dir.join(CHECKPOINT_DIR))
             .cache_size(cache_bytes)
             // One thread writes memtables out and merges tables, so that the store's background
@@ -133,6 +138,8 @@ impl CheckpointDb {
             .worker_threads(1)
             .open()?;
         nice_store_threads();
+        // After the open, which cut the journal file to what it holds (see `journal_bytes`).
+        let journal_bytes = journal_bytes(data_dir);
         tracing::info!(
             journal_mib = %format_args!("{:.1}", journal_bytes as f64 / (1024.0 * 1024.0)),
             open_ms = %format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3),
@@ -191,7 +198,9 @@ impl CheckpointDb {
 /// reads and replays every entry of them when it opens, so this is what a start's time grows
 /// with: opening took 0.56–0.67 s with a journal of 59.6 MB holding 480k entries, about 1.2 µs
 /// an entry (README, "The scale figure"). fjall starts a new journal file only once the current
-/// one has passed 64 MB, so a journal of any size up to that is normal.
+/// one has passed 64 MB, so a journal of any size up to that is normal. A journal file fjall
+/// started is made 64 MiB long at once, and an open cuts it to what was written: measured right
+/// after an open, this is what the open read; before, it may be that first length.
 pub fn journal_bytes(data_dir: &std::path::Path) -> u64 {
     let Ok(files) = std::fs::read_dir(data_dir.join(CHECKPOINT_DIR)) else { return 0 };
     files
@@ -398,6 +407,34 @@ impl CheckpointStore {
             // one whole checkpoint). The last checkpoint of a stopping runner is synced.
             if durable {
                 db.persist()?;
+            }
+            Ok(())
+        })
+        .await?
+    }
+
+    /// Writes the store's memtable out to a table and waits until that is done: what a stopping
+    /// runner does after its last checkpoint. fjall starts a new journal file only when it
+    /// writes a memtable out while the current journal has passed [`FJALL_JOURNAL_ROTATION_BYTES`],
+    /// and deletes the old file once everything in it is in tables; every open reads the whole
+    /// journal, about 1.2–1.9 µs an entry. An engine that wrote large checkpoints and then
+    /// little (after a rebuild or a long catch-up; the scale figure's history is written so)
+    /// kept a journal just past that size, which nothing wrote out while it ran, and read it
+    /// again at every start: 1.0 s of a 1.1–1.2 s restart (README, "The scale figure", stop
+    /// 53). Written out here, the journal starts anew and the next open reads none of it. A
+    /// journal under that size stays as it is (fjall has no call that starts a new one), so
+    /// this costs only the write-out of a memtable (at most [`MEMTABLE_BYTES`]) then.
+    pub async fn write_out_memtable(&self) -> Result<(), CheckpointError> {
+        let (tree, db) = (self.tree.clone(), self.db.clone());
+        self.background(move || {
+            // `rotate_memtable_and_wait` is hidden from fjall's docs ("used in tests"): pinned by
+            // the lock file; a test below fails if it stops starting a new journal.
+            tree.rotate_memtable_and_wait()?;
+            // The old journal file is deleted just after the write-out: waited for (briefly),
+            // so the process does not stop in between.
+            let waited = Instant::now();
+            while db.db.journal_count() > 1 && waited.elapsed() < JOURNAL_RELEASE_WAIT {
+                std::thread::sleep(std::time::Duration::from_millis(5));
             }
             Ok(())
         })
@@ -746,4 +783,95 @@ fn take_epoch(tree: &fjall::Keyspace, db: &CheckpointDb) -> Result<u64, Checkpoi
 
 fn decode_epoch(bytes: &[u8]) -> u64 {
     bytes.try_into().map(u64::from_be_bytes).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1024 * 1024;
+
+    /// `len` bytes that do not compress (fjall compresses large values in its journal), from
+    /// the seed `n`.
+    fn noise(n: u8, len: usize) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64 ^ u64::from(n + 1);
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// Writes a checkpoint of `mib` entries of 1 MiB (subscriptions, tag 11, stored each as
+    /// itself), their keys starting with `n`, then waits until fjall has written out every
+    /// memtable that filled up.
+    async fn write_mib(store: &CheckpointStore, identity: &str, n: u8, mib: u8) {
+        let changes = (0..mib).map(|i| (vec![11, n, i], Some(noise(n ^ i, MIB)))).collect();
+        store.write(identity, changes, vec![], false).await.expect("checkpoint");
+        let waited = Instant::now();
+        while store.db.db.outstanding_flushes() > 0 || store.tree.sealed_memtable_count() > 0 {
+            assert!(waited.elapsed() < std::time::Duration::from_secs(30), "fjall wrote its memtables out");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
+    fn open_store(dir: &std::path::Path) -> CheckpointStore {
+        let db = CheckpointDb::open(dir, 16 * MIB as u64).expect("open");
+        CheckpointStore::open(&db, "checkpoint").expect("store")
+    }
+
+    /// A journal just past fjall's rotation size that no write-out followed (large checkpoints,
+    /// each written out, then one that stays in the memtable) is read whole by every open,
+    /// until a stopping runner writes the memtable out: fjall then starts a new journal, and
+    /// the next open reads none of the old one, with every entry still there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_past_fjalls_rotation_size_is_not_read_again_after_a_stop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let identity = "stream";
+        let store = open_store(dir.path());
+        store.restore(identity).await.expect("restore");
+        // Six of 9.5 MiB (each fills the memtable and is written out while the journal is
+        // under the size), then 4.5 MiB: 61.5 MiB, past 64,000,000 bytes.
+        for n in 0..6 {
+            write_mib(&store, identity, n, 9).await;
+            store
+                .write(identity, vec![(vec![11, n, 200], Some(noise(n, MIB / 2)))], vec![], false)
+                .await
+                .expect("half");
+        }
+        write_mib(&store, identity, 6, 4).await;
+        store.write(identity, vec![(vec![11, 6, 200], Some(noise(6, MIB / 2)))], vec![], true).await.expect("half");
+        drop(store);
+
+        let store = open_store(dir.path());
+        let long = journal_bytes(dir.path());
+        assert!(long > FJALL_JOURNAL_ROTATION_BYTES, "the open read a journal of {long} bytes");
+        let read: Vec<_> = std::fs::read_dir(dir.path().join(CHECKPOINT_DIR))
+            .expect("the store's folder")
+            .flatten()
+            .map(|file| file.path())
+            .filter(|path| path.extension().is_some_and(|extension| extension == "jnl"))
+            .collect();
+        store.restore(identity).await.expect("restore");
+        store.write_out_memtable().await.expect("write out");
+        for journal in &read {
+            assert!(!journal.exists(), "the journal the open read ({}) was replaced and deleted", journal.display());
+        }
+        drop(store);
+
+        let store = open_store(dir.path());
+        let short = journal_bytes(dir.path());
+        assert!(short < MIB as u64, "after the write-out the open read {short} bytes of journal, not {long}");
+        for n in 0..=6u8 {
+            for i in (0..if n < 6 { 9 } else { 4 }).chain([200]) {
+                let value =
+                    store.tree.get([STATE_PREFIX, 11, n, i]).expect("get").unwrap_or_else(|| panic!("entry {n}/{i}"));
+                let written = if i == 200 { noise(n, MIB / 2) } else { noise(n ^ i, MIB) };
+                assert!(*value == *written, "entry {n}/{i} as written");
+            }
+        }
+    }
 }
