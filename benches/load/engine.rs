@@ -147,7 +147,7 @@ impl EngineProcess {
             anyhow::Ok(None)
         };
         let addrs = tokio::time::timeout(START_WAIT_MAX, started).await;
-        let stderr_tail = || tail_of(&stderr_path);
+        let stderr_tail = || tail_of(&read_text(&stderr_path));
         let (grpc_addr, metrics_addr) = match addrs {
             Ok(Ok(Some((grpc, Some(metrics))))) => (grpc, metrics),
             Ok(Ok(Some((_, None)))) => bail!("the engine serves but printed no metrics address"),
@@ -170,14 +170,13 @@ impl EngineProcess {
 
     /// The end of what the engine wrote to stderr.
     pub fn stderr_tail(&self) -> String {
-        tail_of(&self.stderr_path)
+        tail_of(&self.stderr_text())
     }
 
     /// Everything the engine wrote to stderr so far (its log lines): `anima-scale` reads its
     /// start's steps from them.
-    #[allow(dead_code)]
     pub fn stderr_text(&self) -> String {
-        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+        read_text(&self.stderr_path)
     }
 
     /// SIGTERM, then wait up to [`STOP_WAIT_MAX`]; killed after that. Returns how long the stop
@@ -292,8 +291,13 @@ pub fn cpu_seconds(pid: &str) -> Option<f64> {
     Some((user + system) / CLOCK_TICKS_PER_SECOND)
 }
 
-fn tail_of(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+/// The text of the file at `path`; empty when it cannot be read.
+fn read_text(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// The last [`STDERR_TAIL_BYTES_MAX`] bytes of `text` (from a character's start).
+fn tail_of(text: &str) -> String {
     let mut start = text.len().saturating_sub(STDERR_TAIL_BYTES_MAX);
     while !text.is_char_boundary(start) {
         start += 1;

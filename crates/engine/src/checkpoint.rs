@@ -72,9 +72,6 @@ const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
 /// often but as much each time (16 tables waiting instead of 4) had 3,868 (README, "The
 /// checkpoint store"); 4 MiB with the 8 MiB memtables above (stop 47).
 const TABLE_BYTES: u64 = 4 * 1024 * 1024;
-/// fjall 3.1.13 starts a new journal file when it writes a memtable out while the current one
-/// has passed this many bytes (a constant in its worker; not configurable).
-pub const FJALL_JOURNAL_ROTATION_BYTES: u64 = 64_000_000;
 /// How long [`CheckpointStore::write_out_memtable`] waits for fjall to delete the journal it
 /// replaced.
 const JOURNAL_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -201,7 +198,7 @@ impl CheckpointDb {
 /// one has passed 64 MB, so a journal of any size up to that is normal. A journal file fjall
 /// started is made 64 MiB long at once, and an open cuts it to what was written: measured right
 /// after an open, this is what the open read; before, it may be that first length.
-pub fn journal_bytes(data_dir: &std::path::Path) -> u64 {
+fn journal_bytes(data_dir: &std::path::Path) -> u64 {
     let Ok(files) = std::fs::read_dir(data_dir.join(CHECKPOINT_DIR)) else { return 0 };
     files
         .flatten()
@@ -415,9 +412,9 @@ impl CheckpointStore {
 
     /// Writes the store's memtable out to a table and waits until that is done: what a stopping
     /// runner does after its last checkpoint. fjall starts a new journal file only when it
-    /// writes a memtable out while the current journal has passed [`FJALL_JOURNAL_ROTATION_BYTES`],
-    /// and deletes the old file once everything in it is in tables; every open reads the whole
-    /// journal, about 1.2–1.9 µs an entry. An engine that wrote large checkpoints and then
+    /// writes a memtable out while the current journal has passed 64,000,000 bytes (a constant
+    /// in fjall 3.1.13's worker, not a setting), and deletes the old file once everything in it
+    /// is in tables; every open reads the whole journal, about 1.2–1.9 µs an entry. An engine that wrote large checkpoints and then
     /// little (after a rebuild or a long catch-up; the scale figure's history is written so)
     /// kept a journal just past that size, which nothing wrote out while it ran, and read it
     /// again at every start: 1.0 s of a 1.1–1.2 s restart (README, "The scale figure", stop
@@ -790,6 +787,8 @@ mod tests {
     use super::*;
 
     const MIB: usize = 1024 * 1024;
+    /// See [`CheckpointStore::write_out_memtable`].
+    const FJALL_JOURNAL_ROTATION_BYTES: u64 = 64_000_000;
 
     /// `len` bytes that do not compress (fjall compresses large values in its journal), from
     /// the seed `n`.
