@@ -179,9 +179,8 @@ impl EngineProcess {
         read_text(&self.stderr_path)
     }
 
-    /// SIGTERM, then wait up to [`STOP_WAIT_MAX`]; killed after that. Returns how long the stop
-    /// took and whether the engine exited cleanly by itself.
-    pub async fn stop(mut self) -> anyhow::Result<(Duration, bool)> {
+    /// SIGTERM, then wait up to [`STOP_WAIT_MAX`]; killed after that.
+    pub async fn stop(mut self) -> anyhow::Result<Stopped> {
         let started = Instant::now();
         if self.exited().is_none() {
             let sent = std::process::Command::new("kill").arg("-TERM").arg(self.pid.to_string()).status();
@@ -205,7 +204,113 @@ impl EngineProcess {
         if let Some(nats) = self.nats.take() {
             nats.stop().await;
         }
-        Ok((took, clean))
+        Ok(Stopped { took, clean, stderr: self.stderr_text() })
+    }
+}
+
+/// How an engine stopped.
+pub struct Stopped {
+    /// From the SIGTERM to the exit.
+    pub took: Duration,
+    /// Whether the engine exited cleanly by itself.
+    pub clean: bool,
+    /// Its whole stderr, the lines of the stop among them.
+    pub stderr: String,
+}
+
+/// The first line of the engine's log `log` that contains `marker`.
+pub fn log_line<'a>(log: &'a str, marker: &str) -> Option<&'a str> {
+    log.lines().find(|line| line.contains(marker))
+}
+
+/// The value of the field `name` in the log line `line` (`name=value`).
+pub fn log_field<'a>(line: Option<&'a str>, name: &str) -> Option<&'a str> {
+    let line = line?;
+    let at = line.find(&format!(" {name}="))? + name.len() + 2;
+    line[at..].split_whitespace().next()
+}
+
+/// An engine's stop: from the SIGTERM to its exit, and what the checkpoint store did to its
+/// journal (its log line; only when the journal was long enough to be padded).
+#[derive(Debug, Default)]
+pub struct StopSteps {
+    pub took: Duration,
+    pub clean: bool,
+    /// The runner's steps (ms): the checkpoint write in flight, the last checkpoint (and its
+    /// entries), the checkpoint store's write-out.
+    pub runner: Option<(f64, f64, f64, f64)>,
+    pub padded: Option<Padding>,
+}
+
+/// A padding of the checkpoint store's journal, as the engine logged it.
+#[derive(Debug)]
+pub struct Padding {
+    /// The journal before, and the padding written (MiB).
+    pub journal_mib: f64,
+    pub padding_mib: f64,
+    pub took_ms: f64,
+    /// Whether fjall replaced the journal.
+    pub replaced: bool,
+}
+
+impl Padding {
+    /// The padding the engine logged at `at` (`stop`, or `start` after a long journal).
+    pub fn from_log(log: &str, at: &str) -> Option<Padding> {
+        let at = format!(" at={at}");
+        let line = log.lines().find(|line| line.contains("journal padded") && line.contains(&at));
+        let number = |name: &str| log_field(line, name)?.parse::<f64>().ok();
+        Some(Padding {
+            journal_mib: number("journal_mib")?,
+            padding_mib: number("padding_mib")?,
+            took_ms: number("took_ms")?,
+            replaced: log_field(line, "replaced")? == "true",
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "its checkpoint store's journal of {:.1} MiB padded with {:.1} MiB in {:.0} ms, {}",
+            self.journal_mib,
+            self.padding_mib,
+            self.took_ms,
+            if self.replaced { "replaced" } else { "NOT replaced" }
+        )
+    }
+}
+
+impl StopSteps {
+    pub fn from(stopped: &Stopped) -> StopSteps {
+        let padded = Padding::from_log(&stopped.stderr, "stop");
+        let line = log_line(&stopped.stderr, "projection runner stopped");
+        let number = |name: &str| log_field(line, name)?.parse::<f64>().ok();
+        let runner = match (number("in_flight_ms"), number("last_ms"), number("last_entries"), number("write_out_ms")) {
+            (Some(in_flight), Some(last), Some(entries), Some(write_out)) => {
+                Some((in_flight, last, entries, write_out))
+            }
+            _ => None,
+        };
+        StopSteps { took: stopped.took, clean: stopped.clean, runner, padded }
+    }
+
+    pub fn describe(&self) -> String {
+        let journal = self.padded.as_ref().map_or_else(
+            || {
+                "no journal padded (the store's journal was short or already replaced, or the line not logged)"
+                    .to_owned()
+            },
+            Padding::describe,
+        );
+        let runner = self.runner.map_or_else(
+            || "the runner's steps not logged".to_owned(),
+            |(in_flight, last, entries, write_out)| {
+                format!("checkpoint in flight {in_flight:.0} ms, last checkpoint {last:.0} ms ({entries:.0} entries), write-out {write_out:.0} ms")
+            },
+        );
+        format!(
+            "{:.3} s from SIGTERM to {}: {runner}; {journal}",
+            self.took.as_secs_f64(),
+            if self.clean { "a clean exit" } else { "an exit that was NOT clean" }
+        )
     }
 }
 
@@ -224,6 +329,11 @@ pub struct FoldProbe {
     pub cold_reads: u64,
     pub cold_read_entries: u64,
     pub cold_read_seconds: f64,
+    /// The steps of the engine's start: the checkpoint store's open (seconds) and the journal
+    /// it read (bytes), and the restore after it (seconds).
+    pub store_open_seconds: f64,
+    pub journal_read_at_open_bytes: u64,
+    pub restore_seconds: f64,
 }
 
 /// One plain HTTP/1.1 `GET /metrics`, parsed for the fold's gauges.
@@ -247,8 +357,11 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
         let mut words = line.split_whitespace();
         let (Some(name), Some(value)) = (words.next(), words.next()) else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
-        if name == "anima_cold_read_seconds_total" {
-            probe.cold_read_seconds = value.max(0.0);
+        match name {
+            "anima_cold_read_seconds_total" => probe.cold_read_seconds = value.max(0.0),
+            "anima_checkpoint_store_open_seconds" => probe.store_open_seconds = value.max(0.0),
+            "anima_restore_seconds" => probe.restore_seconds = value.max(0.0),
+            _ => {}
         }
         let value = value.max(0.0) as u64;
         match name {
@@ -260,6 +373,7 @@ pub async fn scrape_fold(addr: SocketAddr) -> anyhow::Result<FoldProbe> {
             "anima_data_dir_bytes" => probe.data_dir_bytes = value,
             "anima_cold_reads_total" => probe.cold_reads = value,
             "anima_cold_read_entries_total" => probe.cold_read_entries = value,
+            "anima_checkpoint_journal_read_at_open_bytes" => probe.journal_read_at_open_bytes = value,
             _ => {}
         }
     }

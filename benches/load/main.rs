@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::chart::ChartPoint;
-use crate::engine::{EngineProcess, FoldProbe, LogBackend};
+use crate::engine::{EngineProcess, FoldProbe, LogBackend, StopSteps};
 use crate::stats::{millis, quantile, Recorder, Rpc, Window};
 use crate::workload::Fleet;
 
@@ -226,12 +226,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         engine.pid, engine.grpc_addr, engine.metrics_addr
     );
     let outcome = drive(&args, &backend_name, &mut engine).await;
-    let (stop_took, clean) = engine.stop().await?;
-    eprintln!(
-        "anima-load: engine stopped {} in {:.1} s",
-        if clean { "cleanly (SIGTERM)" } else { "NOT cleanly" },
-        stop_took.as_secs_f64()
-    );
+    let stopped = engine.stop().await?;
+    eprintln!("anima-load: engine stopped: {}", StopSteps::from(&stopped).describe());
     outcome
 }
 

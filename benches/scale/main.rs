@@ -31,7 +31,9 @@ use anyhow::Context as _;
 use clap::Parser;
 use prost::Message;
 
-use crate::engine::{rss_kib, scrape_fold, EngineProcess, LogBackend};
+use crate::engine::{
+    log_field, log_line, rss_kib, scrape_fold, EngineProcess, FoldProbe, LogBackend, Padding, StopSteps,
+};
 
 /// Events appended per log batch while the history is written.
 const APPEND_CHUNK: usize = 5_000;
@@ -254,40 +256,40 @@ struct Measured {
     cold: (u64, u64, f64),
     /// The steps of the start, as the engine logged them.
     steps: StartSteps,
+    /// The stop after the sends.
+    stop: StopSteps,
 }
 
-/// The steps of an engine's start, from its log lines (`None`: the line was not found). The
-/// checkpoint store's open and the log's open run at once; the restore follows both; the
+/// The steps of an engine's start: from its metrics, the checkpoint store's open and the restore;
+/// from its log lines (`None`: the line was not found), the dedupe window's read and a padding.
+/// The checkpoint store's open and the log's open run at once; the restore follows both; the
 /// dedupe window's ids are read on the log's writer thread from the log's open on, beside the
 /// rest, and the first append waits for them.
 #[derive(Debug, Default)]
 struct StartSteps {
     /// The checkpoint store's open (ms) and the journal it read to open (MiB).
-    store_open_ms: Option<f64>,
-    store_journal_mib: Option<f64>,
+    store_open_ms: f64,
+    store_journal_mib: f64,
     /// The restore of the fold's state from the checkpoint (ms).
-    restore_ms: Option<f64>,
+    restore_ms: f64,
     /// The dedupe window's msg ids: how many, and how long their read took (ms).
     window_ids: Option<f64>,
     window_ms: Option<f64>,
+    /// The padding of a long journal the open read (after a crash), logged once it is done.
+    padded: Option<Padding>,
 }
 
 impl StartSteps {
-    fn from_log(log: &str) -> StartSteps {
-        let line = |marker: &str| log.lines().find(|line| line.contains(marker));
-        let field = |line: Option<&str>, name: &str| {
-            let line = line?;
-            let at = line.find(&format!(" {name}="))? + name.len() + 2;
-            line[at..].split_whitespace().next()?.parse::<f64>().ok()
-        };
-        let (store, restored, window) =
-            (line("checkpoint store opened"), line("projection restored"), line("read the dedupe window's msg ids"));
+    fn from(metrics: &FoldProbe, log: &str) -> StartSteps {
+        let field = |line: Option<&str>, name: &str| log_field(line, name)?.parse::<f64>().ok();
+        let window = log_line(log, "read the dedupe window's msg ids");
         StartSteps {
-            store_open_ms: field(store, "open_ms"),
-            store_journal_mib: field(store, "journal_mib"),
-            restore_ms: field(restored, "restore_ms"),
+            store_open_ms: metrics.store_open_seconds * 1e3,
+            store_journal_mib: metrics.journal_read_at_open_bytes as f64 / (1024.0 * 1024.0),
+            restore_ms: metrics.restore_seconds * 1e3,
             window_ids: field(window, "ids"),
             window_ms: field(window, "took_ms"),
+            padded: Padding::from_log(log, "start"),
         }
     }
 
@@ -296,12 +298,13 @@ impl StartSteps {
             value.map_or_else(|| "?".to_owned(), |value| format!("{value:.decimals$}{unit}"))
         };
         format!(
-            "checkpoint store opened in {} (its journal {}), state restored in {} after it; dedupe window: {} msg ids read in {}",
-            shown(self.store_open_ms, 0, " ms"),
-            shown(self.store_journal_mib, 1, " MiB"),
-            shown(self.restore_ms, 0, " ms"),
+            "checkpoint store opened in {:.0} ms (its journal {:.1} MiB), state restored in {:.0} ms after it; dedupe window: {} msg ids read in {}{}",
+            self.store_open_ms,
+            self.store_journal_mib,
+            self.restore_ms,
             shown(self.window_ids, 0, ""),
-            shown(self.window_ms, 0, " ms")
+            shown(self.window_ms, 0, " ms"),
+            self.padded.as_ref().map(|padded| format!("; after it, {}", padded.describe())).unwrap_or_default()
         )
     }
 }
@@ -365,8 +368,8 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
     );
     let state_after_mib = after.state_estimate_bytes as f64 / (1024.0 * 1024.0);
     let (send_p50_ms, send_p99_ms) = (at(0.5), at(0.99));
-    let steps = StartSteps::from_log(&engine.stderr_text());
-    engine.stop().await?;
+    let steps = StartSteps::from(&before, &engine.stderr_text());
+    let stop = StopSteps::from(&engine.stop().await?);
     Ok(Measured {
         start,
         first_send: first_send.unwrap_or_default(),
@@ -381,6 +384,7 @@ async fn measure(binary: &Path, data: &Path, args: &Args) -> anyhow::Result<Meas
         state_after_mib,
         cold,
         steps,
+        stop,
     })
 }
 
@@ -444,6 +448,7 @@ async fn main() -> anyhow::Result<()> {
             per_send(seconds * 1e6)
         );
         println!("{:>20}  start: {}", "", m.steps.describe());
+        println!("{:>20}  stop: {}", "", m.stop.describe());
     }
     let allowed_ratio = full.allowed_p50_ms.zip(bare.allowed_p50_ms).map(|(full, bare)| full / bare);
     println!(

@@ -162,3 +162,36 @@ async fn metrics_count_sends_wakes_refusals_appends_and_the_fold_lag() {
     assert!(db_file > 0.0 && journal > 0.0, "sled's file {db_file} bytes, the checkpoint journals {journal}");
     assert!(on_disk >= db_file + journal, "{on_disk} bytes reported, sled's file {db_file}, the journals {journal}");
 }
+
+/// The steps of a start that depend on the history: the checkpoint store's open, the journal it
+/// read (none on a new data dir; after a clean restart, the journal the stop left: its bytes up
+/// to the zeros a journal file is made with), and the restore after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_give_the_steps_of_a_start() {
+    let mut server = Server::start_with(ServerOptions {
+        args: vec!["--metrics-listen".into(), "127.0.0.1:0".into()],
+        ..ServerOptions::default()
+    });
+    let first = samples(&server.scrape_metrics().await);
+    assert!(value(&first, "anima_checkpoint_store_open_seconds") > 0.0, "{first:#?}");
+    assert_eq!(value(&first, "anima_checkpoint_journal_read_at_open_bytes"), 0.0, "a new data dir has no journal");
+    assert!(value(&first, "anima_restore_seconds") > 0.0, "{first:#?}");
+
+    server.stop();
+    let journals: Vec<_> = std::fs::read_dir(server.data_dir().join("checkpoints"))
+        .expect("the checkpoint store")
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|extension| extension == "jnl"))
+        .collect();
+    assert_eq!(journals.len(), 1, "one journal: {journals:?}");
+    let bytes = std::fs::read(&journals[0]).expect("the journal");
+    let written = bytes.iter().rposition(|&b| b != 0).map_or(0, |last| last + 1) as f64;
+    server.restart();
+    let again = samples(&server.scrape_metrics().await);
+    let read = value(&again, "anima_checkpoint_journal_read_at_open_bytes");
+    assert!(written > 0.0, "the stop left the registrations and the last checkpoint in the journal");
+    assert_eq!(read, written, "the gauge gives the journal the open read");
+    assert!(value(&again, "anima_checkpoint_store_open_seconds") > 0.0, "{again:#?}");
+    assert!(value(&again, "anima_restore_seconds") > 0.0, "{again:#?}");
+}

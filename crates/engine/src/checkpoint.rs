@@ -75,6 +75,27 @@ const TABLE_BYTES: u64 = 4 * 1024 * 1024;
 /// How long [`CheckpointStore::write_out_memtable`] waits for fjall to delete the journal it
 /// replaced.
 const JOURNAL_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The journal size past which fjall 3.1.13 starts a new journal file when it writes a memtable
+/// out (a constant in its worker).
+const FJALL_JOURNAL_ROTATION_BYTES: u64 = 64_000_000;
+/// The shortest journal a stop pads up to [`FJALL_JOURNAL_ROTATION_BYTES`] so that fjall replaces
+/// it (see [`CheckpointStore::write_out_memtable`]). About where the two costs meet: the next
+/// open reads 8 MiB of journal in 130–180 ms (16–22 ms a MiB here, README "The scale figure"),
+/// and a stop padded a journal of 18.6 MiB with 44 MiB in 134–139 ms in the test below (idle
+/// machine; under `anima-load`'s stop, 8 MiB took 139–232 ms and 16 MiB 607 ms).
+const JOURNAL_PADDED_FROM: u64 = 8 * 1024 * 1024;
+/// The keyspace the padding is written to (see [`pad_journal`]); not a checkpoint, so
+/// [`CheckpointDb::names`] leaves it out.
+const JOURNAL_PADDING_KEYSPACE: &str = "journal-padding";
+/// The padding keyspace's memtable size: past the rotation size, so that fjall never writes a
+/// memtable of padding out before its last removal (it would then keep the last value in a
+/// table until a merge). Its memory is one chunk: every entry shares it.
+const JOURNAL_PADDING_MEMTABLE_BYTES: u64 = 2 * FJALL_JOURNAL_ROTATION_BYTES;
+/// The one key the padding is written under, and removed at once.
+const JOURNAL_PADDING_KEY: &[u8] = b"padding";
+/// One chunk of padding: one journal entry.
+const JOURNAL_PADDING_CHUNK: usize = 4 * 1024 * 1024;
+const MIB_F64: f64 = 1024.0 * 1024.0;
 /// The checkpoint store's cache of its tables' blocks when nothing else is configured.
 pub const CHECKPOINT_CACHE_BYTES_DEFAULT: u64 = 64 * 1024 * 1024;
 
@@ -121,6 +142,12 @@ pub enum CheckpointError {
 pub struct CheckpointDb {
     db: fjall::Database,
     data_dir: std::path::PathBuf,
+    /// Whether the open read a journal of [`JOURNAL_PADDED_FROM`] or more (see
+    /// [`CheckpointStore::take_long_journal_read_at_open`]); cleared by the first store that
+    /// takes it.
+    long_journal_at_open: Arc<std::sync::atomic::AtomicBool>,
+    /// How long the open took, and the bytes of journal it read (see [`CheckpointDb::opened`]).
+    opened: (std::time::Duration, u64),
 }
 
 impl CheckpointDb {
@@ -137,12 +164,26 @@ impl CheckpointDb {
         nice_store_threads();
         // After the open, which cut the journal file to what it holds (see `journal_bytes`).
         let journal_bytes = journal_bytes(data_dir);
+        let took = started.elapsed();
         tracing::info!(
-            journal_mib = %format_args!("{:.1}", journal_bytes as f64 / (1024.0 * 1024.0)),
-            open_ms = %format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3),
+            journal_mib = %format_args!("{:.1}", journal_bytes as f64 / MIB_F64),
+            open_ms = %format_args!("{:.0}", took.as_secs_f64() * 1e3),
             "checkpoint store opened (it reads its whole journal to open)"
         );
-        Ok(CheckpointDb { db, data_dir: data_dir.to_owned() })
+        Ok(CheckpointDb {
+            db,
+            data_dir: data_dir.to_owned(),
+            long_journal_at_open: Arc::new((journal_bytes >= JOURNAL_PADDED_FROM).into()),
+            opened: (took, journal_bytes),
+        })
+    }
+
+    /// How long the store took to open, and the bytes of journal it read and replayed to open
+    /// (most of the open: about 16–22 ms a MiB here, README "The scale figure"), for the
+    /// `anima_checkpoint_store_open_seconds` and `anima_checkpoint_journal_read_at_open_bytes`
+    /// gauges.
+    pub fn opened(&self) -> (std::time::Duration, u64) {
+        self.opened
     }
 
     /// Whether the data dir holds a checkpoint store (the tools read one only if so).
@@ -152,7 +193,12 @@ impl CheckpointDb {
 
     /// The names of the checkpoints the store holds.
     pub fn names(&self) -> Vec<String> {
-        self.db.list_keyspace_names().iter().map(|name| (**name).to_owned()).collect()
+        self.db
+            .list_keyspace_names()
+            .iter()
+            .filter(|name| &***name != JOURNAL_PADDING_KEYSPACE)
+            .map(|name| (**name).to_owned())
+            .collect()
     }
 
     /// The checkpoint `name` as it is stored (for tools: the census, the copy of `compact`, the
@@ -194,18 +240,104 @@ impl CheckpointDb {
 /// The bytes of the checkpoint store's journal files in `data_dir` (0 when it has none). The store
 /// reads and replays every entry of them when it opens, so this is what a start's time grows
 /// with: opening took 0.56–0.67 s with a journal of 59.6 MB holding 480k entries, about 1.2 µs
-/// an entry (README, "The scale figure"). fjall starts a new journal file only once the current
-/// one has passed 64 MB, so a journal of any size up to that is normal. A journal file fjall
-/// started is made 64 MiB long at once, and an open cuts it to what was written: measured right
-/// after an open, this is what the open read; before, it may be that first length.
+/// an entry (README, "The scale figure"). Measured right after an open, it is what the open read
+/// (see [`journals`] for how a file's written bytes are told).
 fn journal_bytes(data_dir: &std::path::Path) -> u64 {
-    let Ok(files) = std::fs::read_dir(data_dir.join(CHECKPOINT_DIR)) else { return 0 };
+    journals(data_dir).iter().map(|(_, written)| written).sum()
+}
+
+/// The journal files of the store in `data_dir`: each one's id and the bytes written to it.
+/// fjall makes a new journal file 64 MiB long at once without writing it (a sparse file on the
+/// file systems Linux servers use), and every write batch reaches the file before the write
+/// returns, so the smaller of a file's length and its allocated blocks is what was written, to
+/// the block. On a file system without sparse files this reads a new journal as full: it is
+/// counted as 64 MiB, and a stop then pads nothing.
+fn journals(data_dir: &std::path::Path) -> Vec<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(files) = std::fs::read_dir(data_dir.join(CHECKPOINT_DIR)) else { return Vec::new() };
     files
         .flatten()
-        .filter(|file| file.path().extension().is_some_and(|extension| extension == "jnl"))
-        .filter_map(|file| file.metadata().ok())
-        .map(|metadata| metadata.len())
-        .sum()
+        .filter_map(|file| {
+            let path = file.path();
+            path.extension().filter(|extension| *extension == "jnl")?;
+            let id = path.file_stem()?.to_str()?.parse::<u64>().ok()?;
+            let metadata = file.metadata().ok()?;
+            Some((id, metadata.len().min(metadata.blocks() * 512)))
+        })
+        .collect()
+}
+
+/// Writes the memtable of every keyspace of the store out (this store's checkpoint, another
+/// checkpoint of the same data dir, the padding), then waits (at most [`JOURNAL_RELEASE_WAIT`])
+/// until fjall has deleted every journal but the one it writes to. fjall deletes a journal only
+/// once every keyspace's entries in it are in tables, and it does so just after the write-out:
+/// the process should not stop in between.
+fn write_out_and_wait(db: &CheckpointDb) -> Result<(), CheckpointError> {
+    for name in db.db.list_keyspace_names() {
+        // `rotate_memtable_and_wait` is hidden from fjall's docs ("used in tests"): pinned by the
+        // lock file; the tests below fail if it stops starting a new journal.
+        if let Some(keyspace) = db.existing(&name)? {
+            keyspace.rotate_memtable_and_wait()?;
+        }
+    }
+    let waited = Instant::now();
+    while db.db.journal_count() > 1 && waited.elapsed() < JOURNAL_RELEASE_WAIT {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// The journal file fjall writes to now (the newest of [`journals`]): its id and the bytes
+/// written to it, `None` when there is none.
+fn active_journal(data_dir: &std::path::Path) -> Option<(u64, u64)> {
+    journals(data_dir).into_iter().max_by_key(|(id, _)| *id)
+}
+
+/// Fills the journal `id`, of which `written` bytes are written, past
+/// [`FJALL_JOURNAL_ROTATION_BYTES`] with padding and writes the memtables out, so that fjall
+/// starts a new journal. The padding is chunks of [`JOURNAL_PADDING_CHUNK`] bytes that do not
+/// compress (fjall compresses large values in its journal), each written under
+/// [`JOURNAL_PADDING_KEY`] in a keyspace of its own and removed at once, so the store keeps none
+/// of it: the write-out of a memtable drops the values a removal shadows. A margin covers the
+/// journal's own framing; should fjall still not start a new journal, one more chunk is written,
+/// twice at most. Returns the bytes of padding written.
+fn pad_journal(db: &CheckpointDb, id: u64, written: u64) -> Result<u64, CheckpointError> {
+    const MARGIN: u64 = 64 * 1024;
+    let padding = db.db.keyspace(JOURNAL_PADDING_KEYSPACE, || {
+        fjall::KeyspaceCreateOptions::default().max_memtable_size(JOURNAL_PADDING_MEMTABLE_BYTES)
+    })?;
+    let chunk = fjall::Slice::from(incompressible(0, JOURNAL_PADDING_CHUNK));
+    let mut chunks = (FJALL_JOURNAL_ROTATION_BYTES + MARGIN).saturating_sub(written).div_ceil(chunk.len() as u64);
+    let mut padded = 0;
+    for _ in 0..3 {
+        for _ in 0..chunks {
+            padding.insert(JOURNAL_PADDING_KEY, chunk.clone())?;
+            padding.remove(JOURNAL_PADDING_KEY)?;
+            padded += chunk.len() as u64;
+        }
+        // The padding's write-out starts the new journal.
+        write_out_and_wait(db)?;
+        if active_journal(&db.data_dir).is_none_or(|(now, _)| now != id) {
+            break;
+        }
+        chunks = 1;
+    }
+    Ok(padded)
+}
+
+/// `len` bytes from a xorshift generator seeded with `seed`: nothing an LZ-type compressor can
+/// shorten.
+fn incompressible(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64 ^ seed;
+    let mut bytes = Vec::with_capacity(len + 8);
+    while bytes.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        bytes.extend_from_slice(&x.to_le_bytes());
+    }
+    bytes.truncate(len);
+    bytes
 }
 
 /// One projection checkpoint in a data dir's checkpoint store.
@@ -410,32 +542,74 @@ impl CheckpointStore {
         .await?
     }
 
-    /// Writes the store's memtable out to a table and waits until that is done: what a stopping
-    /// runner does after its last checkpoint. fjall starts a new journal file only when it
-    /// writes a memtable out while the current journal has passed 64,000,000 bytes (a constant
-    /// in fjall 3.1.13's worker, not a setting), and deletes the old file once everything in it
-    /// is in tables; every open reads the whole journal, about 1.2–1.9 µs an entry. An engine that wrote large checkpoints and then
-    /// little (after a rebuild or a long catch-up; the scale figure's history is written so)
-    /// kept a journal just past that size, which nothing wrote out while it ran, and read it
-    /// again at every start: 1.0 s of a 1.1–1.2 s restart (README, "The scale figure", stop
-    /// 53). Written out here, the journal starts anew and the next open reads none of it. A
-    /// journal under that size stays as it is (fjall has no call that starts a new one), so
-    /// this costs only the write-out of a memtable (at most [`MEMTABLE_BYTES`]) then.
-    pub async fn write_out_memtable(&self) -> Result<(), CheckpointError> {
-        let (tree, db) = (self.tree.clone(), self.db.clone());
+    /// Whether the store's open read a journal of [`JOURNAL_PADDED_FROM`] or more, which only a
+    /// crash leaves (a stop replaces it, see [`CheckpointStore::write_out_memtable`]); true for
+    /// the first caller only. The runner then writes the memtable out before its first
+    /// checkpoint, as a stop would have: another crash soon after does not make the next start
+    /// read that journal again, and the entries the open replayed into the memtable go to
+    /// tables.
+    pub fn take_long_journal_read_at_open(&self) -> bool {
+        self.db.long_journal_at_open.swap(false, Ordering::SeqCst)
+    }
+
+    /// Writes the memtables of the store out to tables and starts a new journal, so that the
+    /// next open reads (almost) none of the journal: what a stopping runner does after its last
+    /// checkpoint, and a start that read a long journal before its first (see
+    /// [`CheckpointStore::take_long_journal_read_at_open`]). Every open reads and replays the
+    /// whole journal, about 1.2–1.9 µs an entry: 1.0 s of a 1.1–1.2 s restart with a journal of
+    /// 55–62 MiB at stop 53, 1.75 s of 1.99 s with 55.6 MiB at stop 54 (README, "The scale
+    /// figure").
+    ///
+    /// fjall 3.1.13 starts a new journal file only when it writes a memtable out while the
+    /// current journal has passed [`FJALL_JOURNAL_ROTATION_BYTES`] (a constant in its worker, not
+    /// a setting), and deletes the old file once everything in it is in tables. So:
+    /// - a journal past that size is replaced by the write-out alone (an engine that wrote large
+    ///   checkpoints and then little, after a rebuild or a long catch-up, kept such a journal,
+    ///   which nothing wrote out while it ran);
+    /// - a journal of [`JOURNAL_PADDED_FROM`] or more but under the size is first filled up to
+    ///   it with padding (see [`pad_journal`]), then written out, and is replaced too;
+    /// - a shorter one stays as it is, and nothing is written out (unless older journals wait
+    ///   for it): see [`JOURNAL_PADDED_FROM`] for the floor, and a write-out would start a merge
+    ///   that fjall's close waits for.
+    ///
+    /// `at` names the moment in the log line of a padding: `stop` or `start`.
+    pub async fn write_out_memtable(&self, at: &'static str) -> Result<(), CheckpointError> {
+        let db = self.db.clone();
         self.background(move || {
-            // `rotate_memtable_and_wait` is hidden from fjall's docs ("used in tests"): pinned by
-            // the lock file; a test below fails if it stops starting a new journal.
-            tree.rotate_memtable_and_wait()?;
-            // The old journal file is deleted just after the write-out: waited for (briefly),
-            // so the process does not stop in between.
-            let waited = Instant::now();
-            while db.db.journal_count() > 1 && waited.elapsed() < JOURNAL_RELEASE_WAIT {
-                std::thread::sleep(std::time::Duration::from_millis(5));
+            let Some((id, written)) = active_journal(&db.data_dir) else { return Ok(()) };
+            if !(JOURNAL_PADDED_FROM..FJALL_JOURNAL_ROTATION_BYTES).contains(&written) {
+                // Past the size, the write-out replaces the journal. Under the padding's floor,
+                // only to let fjall delete older journals: a write-out that replaces nothing
+                // would only start a merge of tables, which fjall's close waits for (1.7–1.9 s
+                // of a stop measured under `anima-scale`).
+                if written >= FJALL_JOURNAL_ROTATION_BYTES || db.db.journal_count() > 1 {
+                    write_out_and_wait(&db)?;
+                }
+                return Ok(());
             }
+            let started = Instant::now();
+            let padded = pad_journal(&db, id, written)?;
+            let (replaced, left) = match active_journal(&db.data_dir) {
+                Some((now, left)) => (now != id, left),
+                None => (true, 0),
+            };
+            tracing::info!(
+                journal_mib = %format_args!("{:.1}", written as f64 / MIB_F64),
+                padding_mib = %format_args!("{:.1}", padded as f64 / MIB_F64),
+                left_mib = %format_args!("{:.1}", left as f64 / MIB_F64),
+                took_ms = %format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3),
+                replaced,
+                at = %at,
+                "checkpoint store's journal padded to fjall's rotation size"
+            );
             Ok(())
         })
         .await?
+    }
+
+    /// How the store of this checkpoint opened (see [`CheckpointDb::opened`]).
+    pub fn opened(&self) -> (std::time::Duration, u64) {
+        self.db.opened()
     }
 
     /// The size of the data dir's files on disk (the checkpoint store, and the embedded log's
@@ -787,29 +961,19 @@ mod tests {
     use super::*;
 
     const MIB: usize = 1024 * 1024;
-    /// See [`CheckpointStore::write_out_memtable`].
-    const FJALL_JOURNAL_ROTATION_BYTES: u64 = 64_000_000;
 
     /// `len` bytes that do not compress (fjall compresses large values in its journal), from
     /// the seed `n`.
     fn noise(n: u8, len: usize) -> Vec<u8> {
-        let mut x = 0x9e37_79b9_7f4a_7c15_u64 ^ u64::from(n + 1);
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        incompressible(u64::from(n) + 1, len)
     }
 
     /// Writes a checkpoint of `mib` entries of 1 MiB (subscriptions, tag 11, stored each as
     /// itself), their keys starting with `n`, then waits until fjall has written out every
     /// memtable that filled up.
-    async fn write_mib(store: &CheckpointStore, identity: &str, n: u8, mib: u8) {
+    async fn write_mib(store: &CheckpointStore, n: u8, mib: u8) {
         let changes = (0..mib).map(|i| (vec![11, n, i], Some(noise(n ^ i, MIB)))).collect();
-        store.write(identity, changes, vec![], false).await.expect("checkpoint");
+        store.write(IDENTITY, changes, vec![], false).await.expect("checkpoint");
         let waited = Instant::now();
         while store.db.db.outstanding_flushes() > 0 || store.tree.sealed_memtable_count() > 0 {
             assert!(waited.elapsed() < std::time::Duration::from_secs(30), "fjall wrote its memtables out");
@@ -822,6 +986,16 @@ mod tests {
         CheckpointStore::open(&db, "checkpoint").expect("store")
     }
 
+    /// The stream the tests' checkpoints are taken on.
+    const IDENTITY: &str = "stream";
+
+    /// The store of `dir`, restored as a runner's start restores it (taking its epoch).
+    async fn restored_store(dir: &std::path::Path) -> CheckpointStore {
+        let store = open_store(dir);
+        store.restore(IDENTITY).await.expect("restore");
+        store
+    }
+
     /// A journal just past fjall's rotation size that no write-out followed (large checkpoints,
     /// each written out, then one that stays in the memtable) is read whole by every open,
     /// until a stopping runner writes the memtable out: fjall then starts a new journal, and
@@ -829,33 +1003,26 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_journal_past_fjalls_rotation_size_is_not_read_again_after_a_stop() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let identity = "stream";
-        let store = open_store(dir.path());
-        store.restore(identity).await.expect("restore");
+        let store = restored_store(dir.path()).await;
         // Six of 9.5 MiB (each fills the memtable and is written out while the journal is
         // under the size), then 4.5 MiB: 61.5 MiB, past 64,000,000 bytes.
         for n in 0..6 {
-            write_mib(&store, identity, n, 9).await;
+            write_mib(&store, n, 9).await;
             store
-                .write(identity, vec![(vec![11, n, 200], Some(noise(n, MIB / 2)))], vec![], false)
+                .write(IDENTITY, vec![(vec![11, n, 200], Some(noise(n, MIB / 2)))], vec![], false)
                 .await
                 .expect("half");
         }
-        write_mib(&store, identity, 6, 4).await;
-        store.write(identity, vec![(vec![11, 6, 200], Some(noise(6, MIB / 2)))], vec![], true).await.expect("half");
+        write_mib(&store, 6, 4).await;
+        store.write(IDENTITY, vec![(vec![11, 6, 200], Some(noise(6, MIB / 2)))], vec![], true).await.expect("half");
         drop(store);
 
         let store = open_store(dir.path());
         let long = journal_bytes(dir.path());
         assert!(long > FJALL_JOURNAL_ROTATION_BYTES, "the open read a journal of {long} bytes");
-        let read: Vec<_> = std::fs::read_dir(dir.path().join(CHECKPOINT_DIR))
-            .expect("the store's folder")
-            .flatten()
-            .map(|file| file.path())
-            .filter(|path| path.extension().is_some_and(|extension| extension == "jnl"))
-            .collect();
-        store.restore(identity).await.expect("restore");
-        store.write_out_memtable().await.expect("write out");
+        let read = journal_files(dir.path());
+        store.restore(IDENTITY).await.expect("restore");
+        store.write_out_memtable("stop").await.expect("write out");
         for journal in &read {
             assert!(!journal.exists(), "the journal the open read ({}) was replaced and deleted", journal.display());
         }
@@ -872,5 +1039,65 @@ mod tests {
                 assert!(*value == *written, "entry {n}/{i} as written");
             }
         }
+    }
+
+    /// The journal files in the store's folder.
+    fn journal_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir.join(CHECKPOINT_DIR))
+            .expect("the store's folder")
+            .flatten()
+            .map(|file| file.path())
+            .filter(|path| path.extension().is_some_and(|extension| extension == "jnl"))
+            .collect()
+    }
+
+    /// A journal under fjall's rotation size (18.5 MiB of checkpoints) is padded up to it at a
+    /// stop and replaced: the next open reads almost none of it, every entry reads back as
+    /// written, and the store keeps none of the padding (not as an entry, not in its tables, not
+    /// as a checkpoint).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_journal_under_fjalls_rotation_size_is_padded_and_replaced_at_a_stop() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = restored_store(dir.path()).await;
+        for n in 0..2 {
+            write_mib(&store, n, 9).await;
+        }
+        store.write(IDENTITY, vec![(vec![11, 2, 0], Some(noise(2, MIB / 2)))], vec![], true).await.expect("half");
+        let (_, written) = active_journal(dir.path()).expect("a journal");
+        assert!(
+            (JOURNAL_PADDED_FROM..FJALL_JOURNAL_ROTATION_BYTES).contains(&written),
+            "the checkpoints wrote {written} bytes of journal"
+        );
+        let read = journal_files(dir.path());
+        // Every checkpoint in tables, so that what the stop adds to them is the padding alone.
+        store.tree.rotate_memtable_and_wait().expect("write out");
+        let tables_before = store.tree.disk_space();
+        store.write_out_memtable("stop").await.expect("write out");
+        for journal in &read {
+            assert!(!journal.exists(), "the journal ({}) was padded, replaced and deleted", journal.display());
+        }
+        let tables_after = store.tree.disk_space();
+        assert!(
+            tables_after < tables_before + MIB as u64,
+            "the checkpoint's tables grew from {tables_before} to {tables_after} bytes"
+        );
+        let padding = store.db.existing(JOURNAL_PADDING_KEYSPACE).expect("read").expect("the padding");
+        assert!(padding.disk_space() < MIB as u64, "the padding's tables keep {} bytes", padding.disk_space());
+        assert!(padding.get(JOURNAL_PADDING_KEY).expect("get").is_none(), "no padding is left as an entry");
+        assert_eq!(store.db.names(), ["checkpoint"], "the padding is not a checkpoint");
+        drop(padding);
+        drop(store);
+
+        let store = open_store(dir.path());
+        let short = journal_bytes(dir.path());
+        assert!(short < MIB as u64, "after the stop the open read {short} bytes of journal, not {written}");
+        for n in 0..2u8 {
+            for i in 0..9 {
+                let value = store.tree.get([STATE_PREFIX, 11, n, i]).expect("get").expect("entry");
+                assert!(*value == *noise(n ^ i, MIB), "entry {n}/{i} as written");
+            }
+        }
+        let value = store.tree.get([STATE_PREFIX, 11, 2, 0]).expect("get").expect("entry");
+        assert!(*value == *noise(2, MIB / 2), "the last checkpoint's entry as written");
     }
 }

@@ -103,6 +103,8 @@ pub struct Projection {
     state_budget_bytes: AtomicU64,
     /// The fold's reads of state it had let go of, back from the checkpoint store.
     cold_reads: Arc<ColdReads>,
+    /// How long the start's restore from the checkpoint took (the state and the analytics).
+    restore_took: Duration,
 }
 
 /// A hold of the state lock this long or longer is logged (debug), with where it was taken: the
@@ -173,6 +175,12 @@ impl Projection {
     /// less while the process is over nine tenths of `process_bytes_max`).
     pub fn state_memory_bytes(&self) -> (u64, u64) {
         (self.state_estimate_bytes.load(Ordering::Relaxed), self.state_budget_bytes.load(Ordering::Relaxed))
+    }
+
+    /// How long the start's restore from the checkpoint took, for the `anima_restore_seconds`
+    /// gauge.
+    pub fn restore_took(&self) -> Duration {
+        self.restore_took
     }
 
     /// The fold's reads back from the checkpoint store so far: (reads, entries, seconds).
@@ -291,10 +299,11 @@ impl Runner {
         state.attach_cold(Cold::new(Arc::new(StoredCold::new(&checkpoints, cold_reads.clone()))), restored);
         let analytics = checkpoints.restore_analytics().await.map_err(|e| RunnerError::Checkpoint(e.to_string()))?;
         let start_seq = state.meta.applied_seq;
+        let restore_took = restoring.elapsed();
         tracing::info!(
             seq = start_seq,
             fold_version = FOLD_VERSION,
-            restore_ms = restoring.elapsed().as_secs_f64() * 1e3,
+            restore_ms = restore_took.as_secs_f64() * 1e3,
             "projection restored"
         );
         let (applied, _) = watch::channel(start_seq);
@@ -309,6 +318,7 @@ impl Runner {
             state_estimate_bytes,
             state_budget_bytes: AtomicU64::new(config.state_bytes_max as u64),
             cold_reads,
+            restore_took,
         });
         let supervised = projection.clone();
         let task = tokio::spawn(async move {
@@ -342,22 +352,45 @@ async fn run(
     // requests waiting for their verdicts. Writes stay in order because the next one starts only
     // after the previous one finished.
     let mut writing: Option<CheckpointWrite> = None;
+    if checkpoints.take_long_journal_read_at_open() {
+        // Before the first checkpoint, which waits for it like for any write in flight.
+        let checkpoints = checkpoints.clone();
+        writing = Some(tokio::spawn(async move {
+            // Only for the next start's speed: a failure here loses nothing.
+            if let Err(e) = checkpoints.write_out_memtable("start").await {
+                tracing::warn!(error = %e, "the long journal this start read was not replaced");
+            }
+            Ok(())
+        }));
+    }
     let result =
         follow_and_apply(&log, &projection, &checkpoints, &config, &shutdown, &stream_identity, &mut writing).await;
     // Whatever ended the loop, the write in flight finishes before the runner does, so no write
     // of this runner can land after a successor's.
+    let stopping = Instant::now();
     if let Some(writing) = writing {
         let written = writing.await.map_err(|e| RunnerError::Checkpoint(format!("checkpoint task: {e}")));
         written??;
     }
     result?;
+    let in_flight_ms = stopping.elapsed().as_secs_f64() * 1e3;
     let changes = take_changes(&projection);
+    let entries = changes.0.len();
     write_checkpoint(&checkpoints, &stream_identity, changes, true).await?;
+    let last_ms = stopping.elapsed().as_secs_f64() * 1e3 - in_flight_ms;
     // Only for the next start's speed (see there): a failure here loses nothing.
-    if let Err(e) = checkpoints.write_out_memtable().await {
+    if let Err(e) = checkpoints.write_out_memtable("stop").await {
         tracing::warn!(error = %e, "the checkpoint store's memtable was not written out at the stop");
     }
-    tracing::info!(seq = projection.applied_seq(), "projection runner stopped");
+    let write_out_ms = stopping.elapsed().as_secs_f64() * 1e3 - in_flight_ms - last_ms;
+    tracing::info!(
+        seq = projection.applied_seq(),
+        in_flight_ms = %format_args!("{in_flight_ms:.0}"),
+        last_entries = entries,
+        last_ms = %format_args!("{last_ms:.0}"),
+        write_out_ms = %format_args!("{write_out_ms:.0}"),
+        "projection runner stopped (the checkpoint write in flight, the last checkpoint, the store's write-out)"
+    );
     Ok(())
 }
 

@@ -15,6 +15,11 @@
 //!   the checkpoint store's), read at scrape time: sled's file grows far past what it holds under
 //!   heavy traffic, and `anima-wake compact` gives the disk back offline (README, "What a data
 //!   dir holds").
+//! * `anima_checkpoint_store_open_seconds`, `anima_checkpoint_journal_read_at_open_bytes`,
+//!   `anima_restore_seconds` — the steps of this instance's start that depend on the history:
+//!   the checkpoint store's open, which reads and replays its whole journal, the journal it
+//!   read, and the restore of the fold's state from the checkpoint after it. A long journal at
+//!   the open means the process did not stop cleanly before (a stop replaces it).
 //! * `anima_cold_reads_total`, `anima_cold_read_entries_total`, `anima_cold_read_seconds_total`
 //!   — the fold's reads of state it had let go of (to stay under its budget) back from the
 //!   checkpoint store: how many, the entries they gave back, and the time they took on the
@@ -130,6 +135,9 @@ pub struct Metrics {
     state_estimate_bytes: Gauge,
     state_budget_bytes: Gauge,
     data_dir_bytes: Gauge,
+    store_open_seconds: Gauge<f64, AtomicU64>,
+    journal_read_at_open_bytes: Gauge,
+    restore_seconds: Gauge<f64, AtomicU64>,
     cold_reads: Counter,
     cold_read_entries: Counter,
     cold_read_seconds: Counter<f64, AtomicU64>,
@@ -205,6 +213,24 @@ impl Metrics {
             "The data dir's files on disk (the checkpoint store, and the embedded log when it is the backend), read at scrape time",
             data_dir_bytes.clone(),
         );
+        let store_open_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "anima_checkpoint_store_open_seconds",
+            "How long the checkpoint store took to open at this instance's start (it reads and replays its whole journal)",
+            store_open_seconds.clone(),
+        );
+        let journal_read_at_open_bytes = Gauge::default();
+        registry.register(
+            "anima_checkpoint_journal_read_at_open_bytes",
+            "The checkpoint store's journal that open read (a long one is left by a process that did not stop cleanly)",
+            journal_read_at_open_bytes.clone(),
+        );
+        let restore_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "anima_restore_seconds",
+            "How long the restore of the fold's state from the checkpoint took at this instance's start",
+            restore_seconds.clone(),
+        );
         let cold_reads = Counter::default();
         registry.register(
             "anima_cold_reads",
@@ -266,6 +292,9 @@ impl Metrics {
             state_estimate_bytes,
             state_budget_bytes,
             data_dir_bytes,
+            store_open_seconds,
+            journal_read_at_open_bytes,
+            restore_seconds,
             cold_reads,
             cold_read_entries,
             cold_read_seconds,
@@ -347,6 +376,10 @@ impl Metrics {
             }
             Err(error) => tracing::warn!(%error, "metrics: reading the data dir's size"),
         }
+        let (open_took, journal_read) = data_dir.opened();
+        self.store_open_seconds.set(open_took.as_secs_f64());
+        self.journal_read_at_open_bytes.set(gauge_value(journal_read));
+        self.restore_seconds.set(engine.projection().restore_took().as_secs_f64());
         let (estimate, budget) = engine.projection().state_memory_bytes();
         self.state_estimate_bytes.set(gauge_value(estimate));
         self.state_budget_bytes.set(gauge_value(budget));

@@ -683,3 +683,48 @@ async fn slot_pages_give_back_every_entry_the_state_wrote() {
     assert!(stored * 2 < model.len(), "{stored} stored entries for {} state entries", model.len());
     drop(db);
 }
+
+/// `len` bytes that do not compress (fjall compresses large values in its journal), from the
+/// seed `n`.
+fn noise(n: u8, len: usize) -> Vec<u8> {
+    let mut random = anima_engine::testing::SeededRng(u64::from(n));
+    (0..len.div_ceil(8)).flat_map(|_| random.next_u64().to_le_bytes()).take(len).collect()
+}
+
+/// A start whose checkpoint store read a long journal at its open (12 MiB: what a crash leaves,
+/// since a stop replaces it) replaces that journal while it runs, before any stop, so that
+/// another crash does not make the next start read it again; the fold and the entries of the
+/// journal are unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_after_a_crash_replaces_the_long_journal_it_read() {
+    const MIB: usize = 1024 * 1024;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    log.append_batch(events(100, "a")).await.expect("append");
+    // Another checkpoint in the same store writes 12 MiB; no stop's write-out follows.
+    let other = CheckpointStore::open(&db, "checkpoint-other").expect("store");
+    for n in 0..12u8 {
+        other.write("other", vec![(vec![11, n], Some(noise(n, MIB)))], vec![], n == 11).await.expect("write");
+    }
+    drop((other, db));
+    let long = newest_journal(dir.path());
+
+    let db = CheckpointDb::open(dir.path(), 16 * 1024 * 1024).expect("reopen");
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
+    let shutdown = CancellationToken::new();
+    let runner = Runner::start(log.clone(), checkpoints, config(), shutdown.clone()).await.expect("runner");
+    let waited = std::time::Instant::now();
+    while long.exists() {
+        assert!(waited.elapsed() < WAIT, "the journal the start read ({}) is replaced while it runs", long.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    runner.projection.wait_applied(log.last_seq().await.expect("last"), WAIT).await.expect("caught up");
+    assert_eq!(runner.projection.state().canonical_bytes(), fresh_fold(&log).await);
+    shutdown.cancel();
+    runner.task.await.expect("join").expect("runner ends cleanly");
+    let other = db.existing("checkpoint-other").expect("read").expect("the other checkpoint");
+    for n in 0..12u8 {
+        let value = other.get([b's', 11, n]).expect("get").unwrap_or_else(|| panic!("entry {n}"));
+        assert!(*value == *noise(n, MIB), "entry {n} as written");
+    }
+}
