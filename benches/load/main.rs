@@ -670,6 +670,19 @@ impl Report {
             as_ms(lag_p99),
             as_ms(lag_max)
         ));
+        if let Some((_, last)) = folds.last() {
+            // Counted since the engine started; nothing leaves memory before the state first
+            // reaches its budget, so the reads fall in the run's later part.
+            out.push_str(&format!(
+                "fold's reads back from the checkpoint store: {} reads ({:.2} per event folded), {} entries, \
+                 {:.1} s on the fold's thread under the state lock ({:.1}% of the run)\n",
+                last.cold_reads,
+                last.cold_reads as f64 / last.applied_seq.max(1) as f64,
+                last.cold_read_entries,
+                last.cold_read_seconds,
+                last.cold_read_seconds / load_seconds.max(f64::EPSILON) * 100.0
+            ));
+        }
         let rss: Vec<(f64, u64)> = samples.iter().filter_map(|s| s.rss_kib.map(|r| (s.at_seconds, r))).collect();
         if let (Some(&(_, first)), Some(&(_, last))) = (rss.first(), rss.last()) {
             let max = rss.iter().map(|&(_, r)| r).max().unwrap_or(0);

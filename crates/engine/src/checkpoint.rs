@@ -1041,14 +1041,12 @@ mod tests {
         }
     }
 
-    /// The journal files in the store's folder.
+    /// The journal files in the store's folder, as the store itself lists them.
     fn journal_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-        std::fs::read_dir(dir.join(CHECKPOINT_DIR))
-            .expect("the store's folder")
-            .flatten()
-            .map(|file| file.path())
-            .filter(|path| path.extension().is_some_and(|extension| extension == "jnl"))
-            .collect()
+        let files: Vec<_> =
+            journals(dir).into_iter().map(|(id, _)| dir.join(CHECKPOINT_DIR).join(format!("{id}.jnl"))).collect();
+        assert!(files.iter().any(|file| file.exists()), "the store has a journal: {files:?}");
+        files
     }
 
     /// A journal under fjall's rotation size (18.5 MiB of checkpoints) is padded up to it at a

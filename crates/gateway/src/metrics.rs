@@ -61,7 +61,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
@@ -166,149 +166,165 @@ fn append_histogram() -> Histogram {
     Histogram::new(exponential_buckets(APPEND_BUCKET_FIRST_SECONDS, 2.0, APPEND_BUCKETS))
 }
 
+/// A family of histograms with the append buckets, one per label set.
+fn histograms<L: Clone + std::hash::Hash + Eq>() -> HistogramFamily<L> {
+    HistogramFamily::new_with_constructor(append_histogram as fn() -> _)
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
     }
 }
 
+/// Registers `metric` under `name` with `help` and hands it back to be kept: the registry and
+/// the handle share the same atomics.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
-        let append_seconds = HistogramFamily::<AppendLabels>::new_with_constructor(append_histogram as fn() -> _);
-        registry.register(
-            "anima_log_append_seconds",
-            "Time one append call to the log took, until stored (or refused)",
-            append_seconds.clone(),
-        );
-        let log_last_seq = Gauge::default();
-        registry.register("anima_log_last_seq", "The log's newest sequence, read at scrape time", log_last_seq.clone());
-        let fold_applied_seq = Gauge::default();
-        registry.register(
-            "anima_fold_applied_seq",
-            "The newest sequence the fold has applied",
-            fold_applied_seq.clone(),
-        );
-        let fold_lag_events = Gauge::default();
-        registry.register(
-            "anima_fold_lag_events",
-            "Events stored in the log that the fold has not applied yet",
-            fold_lag_events.clone(),
-        );
-        let state_estimate_bytes = Gauge::default();
-        registry.register(
-            "anima_state_estimate_bytes",
-            "The fold state's own estimate of its memory, at start and after each landed checkpoint",
-            state_estimate_bytes.clone(),
-        );
-        let state_budget_bytes = Gauge::default();
-        registry.register(
-            "anima_state_budget_bytes",
-            "The memory the fold's state is held to now (its share of memory_budget_mib, lowered while the process is over nine tenths of it)",
-            state_budget_bytes.clone(),
-        );
-        let data_dir_bytes = Gauge::default();
-        registry.register(
-            "anima_data_dir_bytes",
-            "The data dir's files on disk (the checkpoint store, and the embedded log when it is the backend), read at scrape time",
-            data_dir_bytes.clone(),
-        );
-        let store_open_seconds = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "anima_checkpoint_store_open_seconds",
-            "How long the checkpoint store took to open at this instance's start (it reads and replays its whole journal)",
-            store_open_seconds.clone(),
-        );
-        let journal_read_at_open_bytes = Gauge::default();
-        registry.register(
-            "anima_checkpoint_journal_read_at_open_bytes",
-            "The checkpoint store's journal that open read (a long one is left by a process that did not stop cleanly)",
-            journal_read_at_open_bytes.clone(),
-        );
-        let restore_seconds = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "anima_restore_seconds",
-            "How long the restore of the fold's state from the checkpoint took at this instance's start",
-            restore_seconds.clone(),
-        );
-        let cold_reads = Counter::default();
-        registry.register(
-            "anima_cold_reads",
-            "Reads the fold made of state it had let go of to stay under its budget, back from the checkpoint store (a point read or a scan each)",
-            cold_reads.clone(),
-        );
-        let cold_read_entries = Counter::default();
-        registry.register("anima_cold_read_entries", "State entries those reads gave back", cold_read_entries.clone());
-        let cold_read_seconds = Counter::<f64, AtomicU64>::default();
-        registry.register(
-            "anima_cold_read_seconds",
-            "Time those reads took, on the fold's thread under the state lock",
-            cold_read_seconds.clone(),
-        );
-        let refused = Family::<RefusedLabels, Counter>::default();
-        registry.register(
-            "anima_grpc_refused",
-            "gRPC calls answered with a status other than OK, by method and code",
-            refused.clone(),
-        );
-        let handled = Family::<HandledLabels, Counter>::default();
-        registry.register("grpc_server_handled", "gRPC calls answered, by service, method and code", handled.clone());
-        let handling_seconds = HistogramFamily::<MethodLabels>::new_with_constructor(append_histogram as fn() -> _);
-        registry.register(
-            "grpc_server_handling_seconds",
-            "Time from a gRPC call's arrival to the start of its response, by service and method",
-            handling_seconds.clone(),
-        );
-        let build_info = Family::<BuildLabels, Gauge>::default();
-        registry.register("anima_build_info", "The running anima-wake version (always 1)", build_info.clone());
+        let r = &mut registry;
+        let build_info: Family<BuildLabels, Gauge> =
+            registered(r, "anima_build_info", "The running anima-wake version (always 1)", Family::default());
         build_info.get_or_create(&BuildLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
-        let wakes_claimed = Counter::default();
-        registry.register("anima_wakes_claimed", "Wakes handed to a worker by Wakes.Claim", wakes_claimed.clone());
-        let wakes_settled_without_turn = Counter::default();
-        registry.register(
-            "anima_wakes_settled_without_turn",
-            "Queued wakes a claim settled without a turn (already covered)",
-            wakes_settled_without_turn.clone(),
-        );
-        let wakes_started = Counter::default();
-        registry.register("anima_wakes_started", "Wakes started by Wakes.Start", wakes_started.clone());
-        let wakes_finished = Family::<OutcomeLabels, Counter>::default();
-        registry.register("anima_wakes_finished", "Wakes finished by Wakes.Finish, by outcome", wakes_finished.clone());
-        let sends = Family::<VerdictLabels, Counter>::default();
-        registry.register("anima_sends", "Send requests decided by the fold, by verdict", sends.clone());
+        let metrics = Metrics {
+            append_seconds: registered(
+                r,
+                "anima_log_append_seconds",
+                "Time one append call to the log took, until stored (or refused)",
+                histograms(),
+            ),
+            log_last_seq: registered(
+                r,
+                "anima_log_last_seq",
+                "The log's newest sequence, read at scrape time",
+                Gauge::default(),
+            ),
+            fold_applied_seq: registered(
+                r,
+                "anima_fold_applied_seq",
+                "The newest sequence the fold has applied",
+                Gauge::default(),
+            ),
+            fold_lag_events: registered(
+                r,
+                "anima_fold_lag_events",
+                "Events stored in the log that the fold has not applied yet",
+                Gauge::default(),
+            ),
+            state_estimate_bytes: registered(
+                r,
+                "anima_state_estimate_bytes",
+                "The fold state's own estimate of its memory, at start and after each landed checkpoint",
+                Gauge::default(),
+            ),
+            state_budget_bytes: registered(
+                r,
+                "anima_state_budget_bytes",
+                "The memory the fold's state is held to now (its share of memory_budget_mib, lowered while the process is over nine tenths of it)",
+                Gauge::default(),
+            ),
+            data_dir_bytes: registered(
+                r,
+                "anima_data_dir_bytes",
+                "The data dir's files on disk (the checkpoint store, and the embedded log when it is the backend), read at scrape time",
+                Gauge::default(),
+            ),
+            store_open_seconds: registered(
+                r,
+                "anima_checkpoint_store_open_seconds",
+                "How long the checkpoint store took to open at this instance's start (it reads and replays its whole journal)",
+                Gauge::default(),
+            ),
+            journal_read_at_open_bytes: registered(
+                r,
+                "anima_checkpoint_journal_read_at_open_bytes",
+                "The checkpoint store's journal that open read (a long one is left by a process that did not stop cleanly)",
+                Gauge::default(),
+            ),
+            restore_seconds: registered(
+                r,
+                "anima_restore_seconds",
+                "How long the restore of the fold's state from the checkpoint took at this instance's start",
+                Gauge::default(),
+            ),
+            cold_reads: registered(
+                r,
+                "anima_cold_reads",
+                "Reads the fold made of state it had let go of to stay under its budget, back from the checkpoint store (a point read or a scan each)",
+                Counter::default(),
+            ),
+            cold_read_entries: registered(
+                r,
+                "anima_cold_read_entries",
+                "State entries those reads gave back",
+                Counter::default(),
+            ),
+            cold_read_seconds: registered(
+                r,
+                "anima_cold_read_seconds",
+                "Time those reads took, on the fold's thread under the state lock",
+                Counter::default(),
+            ),
+            cold_reads_sync: Mutex::new(()),
+            refused: registered(
+                r,
+                "anima_grpc_refused",
+                "gRPC calls answered with a status other than OK, by method and code",
+                Family::default(),
+            ),
+            handled: registered(
+                r,
+                "grpc_server_handled",
+                "gRPC calls answered, by service, method and code",
+                Family::default(),
+            ),
+            handling_seconds: registered(
+                r,
+                "grpc_server_handling_seconds",
+                "Time from a gRPC call's arrival to the start of its response, by service and method",
+                histograms(),
+            ),
+            wakes_claimed: registered(
+                r,
+                "anima_wakes_claimed",
+                "Wakes handed to a worker by Wakes.Claim",
+                Counter::default(),
+            ),
+            wakes_settled_without_turn: registered(
+                r,
+                "anima_wakes_settled_without_turn",
+                "Queued wakes a claim settled without a turn (already covered)",
+                Counter::default(),
+            ),
+            wakes_started: registered(r, "anima_wakes_started", "Wakes started by Wakes.Start", Counter::default()),
+            wakes_finished: registered(
+                r,
+                "anima_wakes_finished",
+                "Wakes finished by Wakes.Finish, by outcome",
+                Family::default(),
+            ),
+            sends: registered(
+                r,
+                "anima_sends",
+                "Send requests decided by the fold, by verdict",
+                Family::default(),
+            ),
+            known_rpcs: known_rpcs(),
+            registry,
+        };
         // Known label values start at zero, so the first hold or failure is a visible increase.
         for verdict in ["allowed", "held"] {
-            let _ = sends.get_or_create(&VerdictLabels { verdict });
+            let _ = metrics.sends.get_or_create(&VerdictLabels { verdict });
         }
         for outcome in ["completed", "failed", "aborted", "restart_drain"] {
-            let _ = wakes_finished.get_or_create(&OutcomeLabels { outcome });
+            let _ = metrics.wakes_finished.get_or_create(&OutcomeLabels { outcome });
         }
-        Metrics {
-            registry,
-            append_seconds,
-            log_last_seq,
-            fold_applied_seq,
-            fold_lag_events,
-            state_estimate_bytes,
-            state_budget_bytes,
-            data_dir_bytes,
-            store_open_seconds,
-            journal_read_at_open_bytes,
-            restore_seconds,
-            cold_reads,
-            cold_read_entries,
-            cold_read_seconds,
-            cold_reads_sync: Mutex::new(()),
-            refused,
-            handled,
-            handling_seconds,
-            wakes_claimed,
-            wakes_settled_without_turn,
-            wakes_started,
-            wakes_finished,
-            sends,
-            known_rpcs: known_rpcs(),
-        }
+        metrics
     }
 
     /// Counts a call answered with `code` (anything but OK).

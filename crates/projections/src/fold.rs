@@ -400,9 +400,9 @@ impl State {
             // stop 51).
             self.identity_order.ensure_with_page(crate::state::IDENTITY_ORDER_TAG, &oldest, &self.cold);
             if let Some((_, old_ts)) = self.identity_order.remove(&oldest) {
-                let old = (surface, old_ts);
-                self.identities.ensure_for_write(crate::state::IDENTITIES_TAG, &old, &self.cold);
-                self.identities.forget(old);
+                // Each identity has its one order entry (a row is journaled only for an identity
+                // not in the window), so the oldest's identity is present: forgotten unread.
+                self.identities.forget_present((surface, old_ts));
             }
         }
     }

@@ -209,8 +209,9 @@ impl State {
         if let Some((_, forgotten)) =
             push_numbered(order, count, LINEAR_RECEIPT_ORDER_TAG, &self.cold, receipt.to_owned())
         {
-            self.linear_receipts.ensure_for_write(LINEAR_RECEIPTS_TAG, &forgotten, &self.cold);
-            self.linear_receipts.forget(forgotten);
+            // Each remembered receipt has its one order entry (a receipt is remembered only
+            // when it is not already), so the oldest is present: forgotten unread.
+            self.linear_receipts.forget_present(forgotten);
         }
     }
 
