@@ -46,7 +46,18 @@ pub struct RunnerConfig {
     /// nine tenths of it, the state's share is lowered below `state_bytes_max` (to a quarter of
     /// it at least; see [`crate::budget`]). 0: the state is held to `state_bytes_max` alone.
     pub process_bytes_max: usize,
+    /// After this long without a new event, once its checkpoints have landed, the runner has
+    /// the checkpoint store write its memtable out and start a new journal
+    /// ([`CheckpointStore::write_out_memtable`]), as a stop does: a crash in a quiet spell then
+    /// leaves a short journal for the next start to read, not the tens of MiB a busy spell
+    /// wrote. Once per quiet spell, and only for a journal of 8 MiB or more.
+    pub idle_write_out_after: Duration,
 }
+
+/// A quiet spell long enough to take for one: no new event for 30 s. The write-out may pad the
+/// journal with up to 56 MiB that nobody waits for, so it is kept for real lulls (a night, the
+/// end of a catch-up), not the gaps of steady traffic.
+pub const IDLE_WRITE_OUT_AFTER_DEFAULT: Duration = Duration::from_secs(30);
 
 impl Default for RunnerConfig {
     fn default() -> Self {
@@ -57,6 +68,7 @@ impl Default for RunnerConfig {
             apply_batch_events_max: 256,
             state_bytes_max: 576 * 1024 * 1024,
             process_bytes_max: 0,
+            idle_write_out_after: IDLE_WRITE_OUT_AFTER_DEFAULT,
         }
     }
 }
@@ -410,6 +422,10 @@ async fn follow_and_apply(
     let mut eviction = Eviction::default();
     let mut share = StateShare::new(config.state_bytes_max, config.process_bytes_max);
     let mut tick = tokio::time::interval(config.checkpoint_interval);
+    let mut last_event = Instant::now();
+    // Whether this quiet spell's write-out is done (or there was nothing to write out): set
+    // until the first event, since the start already replaced a long journal it read.
+    let mut quiet_written_out = true;
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -430,6 +446,8 @@ async fn follow_and_apply(
             }
             since_checkpoint += batch.len() as u64;
             apply_batch(projection, &batch);
+            last_event = Instant::now();
+            quiet_written_out = false;
         }
         let due = since_checkpoint >= config.checkpoint_every_events
             || (since_checkpoint > 0 && last_checkpoint.elapsed() >= config.checkpoint_interval);
@@ -456,6 +474,22 @@ async fn follow_and_apply(
                 ));
             since_checkpoint = 0;
             last_checkpoint = Instant::now();
+        } else if writing.is_none()
+            && since_checkpoint == 0
+            && !quiet_written_out
+            && last_event.elapsed() >= config.idle_write_out_after
+        {
+            // Every checkpoint of the busy spell has landed. Like the start's write-out, it runs
+            // as the write in flight, so the next checkpoint waits for it.
+            quiet_written_out = true;
+            let checkpoints = checkpoints.clone();
+            *writing = Some(tokio::spawn(async move {
+                // Only for the next start's speed: a failure here loses nothing.
+                if let Err(e) = checkpoints.write_out_memtable("idle").await {
+                    tracing::warn!(error = %e, "the checkpoint store's journal was not replaced in a quiet spell");
+                }
+                Ok(())
+            }));
         }
     }
     Ok(())

@@ -728,3 +728,47 @@ async fn a_start_after_a_crash_replaces_the_long_journal_it_read() {
         assert!(*value == *noise(n, MIB), "entry {n} as written");
     }
 }
+
+/// A runner whose store's journal grew long in a busy spell (12 MiB of checkpoints) replaces it
+/// once no event has come for its quiet time, without a stop: a crash then leaves a short
+/// journal for the next open. A runner that keeps folding does not, and the quiet spell's
+/// write-out changes neither the fold nor the entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_runner_replaces_a_long_journal_before_any_stop() {
+    const MIB: usize = 1024 * 1024;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (log, db) = open(dir.path());
+    let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
+    let shutdown = CancellationToken::new();
+    // Long beside the gaps between the busy spell's events (well under a second even on a slow
+    // machine), so that only the spell after them counts as quiet.
+    let quiet = Duration::from_secs(3);
+    let config = RunnerConfig { idle_write_out_after: quiet, ..config() };
+    let runner = Runner::start(log.clone(), checkpoints, config, shutdown.clone()).await.expect("runner");
+    // The busy spell: another checkpoint of the store writes 12 MiB while events keep coming
+    // more often than the quiet time.
+    let other = CheckpointStore::open(&db, "checkpoint-other").expect("store");
+    for n in 0..12u8 {
+        other.write("other", vec![(vec![11, n], Some(noise(n, MIB)))], vec![], n == 11).await.expect("write");
+        log.append_batch(events(10, &format!("busy-{n}"))).await.expect("append");
+    }
+    let long = newest_journal(dir.path());
+    for n in 0..4 {
+        tokio::time::sleep(quiet / 6).await;
+        log.append_batch(events(10, &format!("still-busy-{n}"))).await.expect("append");
+        assert!(long.exists(), "a runner that keeps folding left its journal ({}) alone", long.display());
+    }
+    let waited = std::time::Instant::now();
+    while long.exists() {
+        assert!(waited.elapsed() < WAIT, "the long journal ({}) is replaced in the quiet spell", long.display());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    runner.projection.wait_applied(log.last_seq().await.expect("last"), WAIT).await.expect("caught up");
+    assert_eq!(runner.projection.state().canonical_bytes(), fresh_fold(&log).await);
+    shutdown.cancel();
+    runner.task.await.expect("join").expect("runner ends cleanly");
+    for n in 0..12u8 {
+        let value = other.stored().get([b's', 11, n]).expect("get").unwrap_or_else(|| panic!("entry {n}"));
+        assert!(*value == *noise(n, MIB), "entry {n} as written");
+    }
+}
