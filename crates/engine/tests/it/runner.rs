@@ -713,19 +713,36 @@ async fn a_start_after_a_crash_replaces_the_long_journal_it_read() {
     let checkpoints = CheckpointStore::open(&db, "checkpoint").expect("store");
     let shutdown = CancellationToken::new();
     let runner = Runner::start(log.clone(), checkpoints, config(), shutdown.clone()).await.expect("runner");
+    wait_deleted(&long, "the journal the start read is replaced while it runs").await;
+    catch_up_and_stop(runner, &log, shutdown).await;
+    assert_noise_written(&db.existing("checkpoint-other").expect("read").expect("the other checkpoint"));
+}
+
+/// Waits until `journal` is deleted (fjall deletes a journal it replaced); `what` says why it
+/// should be.
+async fn wait_deleted(journal: &std::path::Path, what: &str) {
     let waited = std::time::Instant::now();
-    while long.exists() {
-        assert!(waited.elapsed() < WAIT, "the journal the start read ({}) is replaced while it runs", long.display());
+    while journal.exists() {
+        assert!(waited.elapsed() < WAIT, "{what} ({})", journal.display());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Lets the runner fold the whole log, checks its state against a fresh fold of the log, and
+/// stops it.
+async fn catch_up_and_stop(runner: Runner, log: &Arc<dyn EventLog>, shutdown: CancellationToken) {
     runner.projection.wait_applied(log.last_seq().await.expect("last"), WAIT).await.expect("caught up");
-    assert_eq!(runner.projection.state().canonical_bytes(), fresh_fold(&log).await);
+    assert_eq!(runner.projection.state().canonical_bytes(), fresh_fold(log).await);
     shutdown.cancel();
     runner.task.await.expect("join").expect("runner ends cleanly");
-    let other = db.existing("checkpoint-other").expect("read").expect("the other checkpoint");
+}
+
+/// The twelve 1 MiB entries the journal tests write into another checkpoint read back as
+/// written.
+fn assert_noise_written(other: &fjall::Keyspace) {
     for n in 0..12u8 {
         let value = other.get([b's', 11, n]).expect("get").unwrap_or_else(|| panic!("entry {n}"));
-        assert!(*value == *noise(n, MIB), "entry {n} as written");
+        assert!(*value == *noise(n, 1024 * 1024), "entry {n} as written");
     }
 }
 
@@ -758,17 +775,7 @@ async fn a_quiet_runner_replaces_a_long_journal_before_any_stop() {
         log.append_batch(events(10, &format!("still-busy-{n}"))).await.expect("append");
         assert!(long.exists(), "a runner that keeps folding left its journal ({}) alone", long.display());
     }
-    let waited = std::time::Instant::now();
-    while long.exists() {
-        assert!(waited.elapsed() < WAIT, "the long journal ({}) is replaced in the quiet spell", long.display());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    runner.projection.wait_applied(log.last_seq().await.expect("last"), WAIT).await.expect("caught up");
-    assert_eq!(runner.projection.state().canonical_bytes(), fresh_fold(&log).await);
-    shutdown.cancel();
-    runner.task.await.expect("join").expect("runner ends cleanly");
-    for n in 0..12u8 {
-        let value = other.stored().get([b's', 11, n]).expect("get").unwrap_or_else(|| panic!("entry {n}"));
-        assert!(*value == *noise(n, MIB), "entry {n} as written");
-    }
+    wait_deleted(&long, "the long journal is replaced in the quiet spell").await;
+    catch_up_and_stop(runner, &log, shutdown).await;
+    assert_noise_written(other.stored());
 }
