@@ -556,10 +556,10 @@ impl CheckpointStore {
     /// next open reads (almost) none of the journal: what a stopping runner does after its last
     /// checkpoint, a start that read a long journal before its first (see
     /// [`CheckpointStore::take_long_journal_read_at_open`]), and a runner in a quiet spell
-    /// (`RunnerConfig::idle_write_out_after`), so that a crash then leaves a short journal. Every open reads and replays the
-    /// whole journal, about 1.2–1.9 µs an entry: 1.0 s of a 1.1–1.2 s restart with a journal of
-    /// 55–62 MiB at stop 53, 1.75 s of 1.99 s with 55.6 MiB at stop 54 (README, "The scale
-    /// figure").
+    /// (`RunnerConfig::idle_write_out_after`), so that a crash then leaves a short journal.
+    /// Every open reads and replays the whole journal, about 1.2–1.9 µs an entry: 1.0 s of a
+    /// 1.1–1.2 s restart with a journal of 55–62 MiB at stop 53, 1.75 s of 1.99 s with 55.6 MiB
+    /// at stop 54 (README, "The scale figure").
     ///
     /// fjall 3.1.13 starts a new journal file only when it writes a memtable out while the
     /// current journal has passed [`FJALL_JOURNAL_ROTATION_BYTES`] (a constant in its worker, not

@@ -366,14 +366,7 @@ async fn run(
     let mut writing: Option<CheckpointWrite> = None;
     if checkpoints.take_long_journal_read_at_open() {
         // Before the first checkpoint, which waits for it like for any write in flight.
-        let checkpoints = checkpoints.clone();
-        writing = Some(tokio::spawn(async move {
-            // Only for the next start's speed: a failure here loses nothing.
-            if let Err(e) = checkpoints.write_out_memtable("start").await {
-                tracing::warn!(error = %e, "the long journal this start read was not replaced");
-            }
-            Ok(())
-        }));
+        writing = Some(write_out_in_flight(&checkpoints, "start"));
     }
     let result =
         follow_and_apply(&log, &projection, &checkpoints, &config, &shutdown, &stream_identity, &mut writing).await;
@@ -404,6 +397,19 @@ async fn run(
         "projection runner stopped (the checkpoint write in flight, the last checkpoint, the store's write-out)"
     );
     Ok(())
+}
+
+/// The checkpoint store's write-out ([`CheckpointStore::write_out_memtable`]) as the runner's
+/// write in flight, so the next checkpoint waits for it; `at` names the moment (`start`,
+/// `idle`). Only for the next start's speed: a failure is logged and loses nothing.
+fn write_out_in_flight(checkpoints: &CheckpointStore, at: &'static str) -> CheckpointWrite {
+    let checkpoints = checkpoints.clone();
+    tokio::spawn(async move {
+        if let Err(e) = checkpoints.write_out_memtable(at).await {
+            tracing::warn!(error = %e, at, "the checkpoint store's journal was not replaced");
+        }
+        Ok(())
+    })
 }
 
 /// Follows the log and applies it until `shutdown`, starting checkpoint writes as they fall due.
@@ -479,17 +485,9 @@ async fn follow_and_apply(
             && !quiet_written_out
             && last_event.elapsed() >= config.idle_write_out_after
         {
-            // Every checkpoint of the busy spell has landed. Like the start's write-out, it runs
-            // as the write in flight, so the next checkpoint waits for it.
+            // Every checkpoint of the busy spell has landed.
             quiet_written_out = true;
-            let checkpoints = checkpoints.clone();
-            *writing = Some(tokio::spawn(async move {
-                // Only for the next start's speed: a failure here loses nothing.
-                if let Err(e) = checkpoints.write_out_memtable("idle").await {
-                    tracing::warn!(error = %e, "the checkpoint store's journal was not replaced in a quiet spell");
-                }
-                Ok(())
-            }));
+            *writing = Some(write_out_in_flight(checkpoints, "idle"));
         }
     }
     Ok(())

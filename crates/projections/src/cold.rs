@@ -586,7 +586,8 @@ where
     /// go of counted it then, so it is counted out exactly here: [`ColdTable::forget`] of a key
     /// the table may have let go of needs [`ColdTable::ensure_for_write`] first, a read of the
     /// store. Under `anima-load` the surfaces' identity windows did one such read for every new
-    /// row once their surfaces were full, a third of the time the fold spent reading back.
+    /// row once their surfaces were full; with it gone, 300 s runs read back 0.50 times per
+    /// event instead of 0.61 (README, stop 56).
     pub fn forget_present(&mut self, key: K) {
         if self.complete || self.map.contains_key(&key) {
             self.forget(key);
