@@ -279,8 +279,9 @@ fn journals(data_dir: &std::path::Path) -> Vec<(u64, u64)> {
 /// merge it is busy with. `rotate_memtable_and_wait` returns at once for a keyspace whose active
 /// memtable is empty, and the journal is only replaced when that worker gets to the sealed
 /// memtable, so the wait is on the sealed memtables and queued write-outs as well as on the
-/// journal count: waiting on the count alone let a loaded machine return with the old journal
-/// still there (it failed 3 runs in 30 of the test below with the disk and a core kept busy).
+/// journal count. With the count alone, a write-out could return while the old journal was
+/// still the current one: seen in the journal tests below (3 failures in 30 runs with the disk
+/// and a core kept busy), with fjall's checkpoint memtable sealed and its active one empty.
 fn write_out_and_wait(db: &CheckpointDb) -> Result<(), CheckpointError> {
     use fjall::AbstractTree as _;
     let mut keyspaces = Vec::new();
