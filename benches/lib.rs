@@ -1,1 +1,4 @@
-//! Benchmarks live in `main.rs`; this library target is empty.
+//! Benchmarks live in `main.rs`, the load and scale tools in `load/` and `scale/`. This library
+//! holds what they and the tests share: the generated mix of stored events ([`mix`]).
+
+pub mod mix;

@@ -2,7 +2,7 @@
 //! log in the same run; and restart from a checkpoint next to that full rebuild.
 //!
 //! The log holds `REBUILD_EVENTS` events (default 1,000,000; `--test` 20,000) of the realistic mix
-//! of [`crate::fold::generate`], each stored on the subject the engine would store it on, with its
+//! of [`anima_benches::mix::generate`], each stored on the subject the engine would store it on, with its
 //! event id as msg id, appended in pipelined batches of [`APPEND_BATCH_RECORDS`]. Then, after one
 //! untimed raw read, in [`REBUILD_ROUNDS`] rounds of two reads back to back and two folds back to
 //! back, each pair in alternating order (reads slow down after a rebuild has written its
@@ -59,8 +59,8 @@ use prost::Message;
 use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 
-use crate::fold::{generate, MIX_SEED};
 use crate::measure::{env_count, filter_selects, median, process_cpu_time};
+use anima_benches::mix::{generate, MIX_SEED};
 
 /// Events in the log; the environment variable overrides the default.
 const REBUILD_EVENTS_ENV: &str = "REBUILD_EVENTS";

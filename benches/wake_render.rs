@@ -1,7 +1,7 @@
 //! Wake-text rendering throughput: `render::render_wake_text`, the render path of `Wakes.Claim`
 //! (`Engine::claim` in `crates/engine/src/command.rs`), over the wakes a realistic mix claims.
 //!
-//! The realistic mix of [`crate::fold::generate`] is folded once more (untimed), keeping every
+//! The realistic mix of [`anima_benches::mix::generate`] is folded once more (untimed), keeping every
 //! journaled row's body by its log sequence, as the runner's body cache does; at every claim the
 //! fold granted, the claim's verdict is kept with the bodies of its trigger and shown rows. The
 //! benchmark renders all of them per iteration, building the `(meta, body)` pairs as
@@ -21,8 +21,8 @@ use anima_projections::State;
 use criterion::{BenchmarkId, Criterion, SamplingMode};
 use prost::Message;
 
-use crate::fold::{generate, EVENTS_PER_ITERATION, MIX_SEED};
 use crate::measure::{interleave, median, Side};
+use anima_benches::mix::{generate, EVENTS_PER_ITERATION, MIX_SEED};
 
 /// Interleaved rounds (all wakes rendered, all copied) behind the printed ratio.
 const ROUNDS: usize = 30;

@@ -302,7 +302,7 @@ impl Engine {
 
     pub(crate) fn require_agent(&self, field: &'static str, agent: &str) -> Result<(), CommandError> {
         validate::id(field, agent)?;
-        if self.projection.state().agents.contains_key(&agent.to_owned()) {
+        if self.projection.is_registered(agent) {
             Ok(())
         } else {
             Err(invalid(field, format!("unknown agent {}", validate::echo(agent))))

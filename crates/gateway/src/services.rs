@@ -271,7 +271,7 @@ impl api::wakes_server::Wakes for Services {
         let agent = request.into_inner().agent_id;
         principal.require_agent(&agent)?;
         anima_engine::validate::id("agent_id", &agent).map_err(status)?;
-        if !self.engine.projection().state().agents.contains_key(&agent) {
+        if !self.engine.projection().is_registered(&agent) {
             return Err(Status::invalid_argument(format!(
                 "agent_id: unknown agent {}",
                 anima_engine::validate::echo(&agent)

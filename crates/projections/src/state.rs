@@ -231,9 +231,28 @@ pub struct State {
     pub cold: Cold,
 }
 
-/// What one entry of a cold table takes in memory, roughly (a row's metadata with its ids and
-/// the map node; an identity is smaller), for [`State::memory_estimate_bytes`].
-pub const COLD_ENTRY_BYTES: usize = 192;
+/// What one entry of a cold table takes in memory, by table (key, value, their heap parts and the
+/// map's share), for [`State::memory_estimate_bytes`]. Measured with a counting allocator
+/// (`benches/state_memory.rs`: each table dropped alone, on the benchmarks' generated mix of
+/// 100,000 events), rounded; the tables that mix does not fill (Linear, chat kinds, DM members)
+/// are counted at [`COLD_ENTRY_BYTES_UNMEASURED`]. A map's share depends on how
+/// full its power-of-two table is, so a table's figure moves by up to a half with its length.
+fn cold_entry_bytes(tag: u8) -> usize {
+    match tag {
+        JOURNAL_ROWS_TAG => 230,
+        IDENTITIES_TAG | IDENTITY_ORDER_TAG => 98,
+        JOURNALS_TAG => 130,
+        SURFACE_KEYS_TAG | SURFACE_IDS_TAG => 183,
+        CURSORS_TAG => 67,
+        SUBSCRIPTIONS_TAG => 211,
+        SETTLED_IDS_TAG => 187,
+        SETTLED_ORDER_TAG => 173,
+        _ => COLD_ENTRY_BYTES_UNMEASURED,
+    }
+}
+/// What an entry of a cold table the counting allocator has not measured is counted at (and
+/// every cold entry was, before the tables were measured).
+const COLD_ENTRY_BYTES_UNMEASURED: usize = 192;
 /// What one known-absent key of a cold table takes, roughly (the key, an empty value and its
 /// index slot): a lookup that found nothing, or a removal not yet written, keeps one until the
 /// clock's hand passes it unused.
@@ -242,10 +261,15 @@ const KNOWN_ABSENT_BYTES: usize = 96;
 /// [`crate::cold::ColdTable`]): 12.6 bytes a key for 6M keys, counted by a counting allocator
 /// (`FingerprintCount`).
 const COUNTED_LET_GO_BYTES: usize = 13;
-/// What one entry of any other table takes, roughly (queued wakes are counted per item).
+/// What one entry of any other table takes, roughly (queued wakes and verdicts are counted
+/// apart).
 const HOT_ENTRY_BYTES: usize = 160;
-/// What one queued or active wake takes, roughly (its item, trigger row and surfaces).
-const QUEUED_WAKE_BYTES: usize = 640;
+/// What one queued or active wake takes (its item, trigger row and surfaces, and the queue's
+/// indexes): 932 bytes measured like [`cold_entry_bytes`].
+const QUEUED_WAKE_BYTES: usize = 930;
+/// What one kept verdict takes: 336 bytes measured like [`cold_entry_bytes`] (a held send keeps
+/// the rows it missed).
+const VERDICT_BYTES: usize = 336;
 
 /// Journal rows are checkpointed in slots of the window ([`crate::cold::Slots`]): the row that
 /// enters a surface's window overwrites the one that leaves it.
@@ -545,6 +569,11 @@ macro_rules! state_tables {
             /// Present entries of the cold tables in memory.
             pub fn cold_resident_len(&self) -> usize {
                 0 $(+ self.$cfield.resident_len())*
+            }
+
+            /// What the present entries of the cold tables take in memory, by the estimate.
+            pub fn cold_resident_bytes(&self) -> usize {
+                0 $(+ self.$cfield.resident_len() * cold_entry_bytes($ctag))*
             }
 
             /// Keys of the cold tables in memory, present or known absent.
@@ -886,7 +915,6 @@ impl State {
         let queued: usize = self.queues.iter().map(|(_, queue)| queue.resident_len() + 1).sum();
         let hot_entries = self.agents.len()
             + self.slack_identities.len()
-            + self.verdicts.len()
             + self.chat_identities.len()
             + self.linear_unknown_responses.len()
             + self.memory_gates.len()
@@ -896,11 +924,18 @@ impl State {
             + self.do_not_contact.get(&()).map_or(0, |c| c.lists.values().map(|users| users.len() + 1).sum())
             + self.agent_keys.len();
         let resident = self.cold_resident_len();
-        resident * COLD_ENTRY_BYTES
+        self.cold_resident_bytes()
             + (self.cold_keys_len() - resident) * KNOWN_ABSENT_BYTES
             + self.cold_counted_len() * COUNTED_LET_GO_BYTES
             + hot_entries * HOT_ENTRY_BYTES
+            + self.verdicts.len() * VERDICT_BYTES
             + queued * QUEUED_WAKE_BYTES
+    }
+
+    /// What one present entry of the cold tables takes on average, by the estimate: what the
+    /// runner divides an excess by to know how many entries must leave memory.
+    pub fn cold_entry_bytes_mean(&self) -> usize {
+        self.cold_resident_bytes().checked_div(self.cold_resident_len()).unwrap_or(COLD_ENTRY_BYTES_UNMEASURED).max(1)
     }
 
     /// Whether the fold stopped deciding at or before `seq`.

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use anima_engine::checkpoint::CheckpointStore;
+use anima_engine::command::SlackObservation;
 use anima_engine::log::embedded::{EmbeddedConfig, EmbeddedLog};
 use anima_engine::log::EventLog;
 use anima_engine::validate::{ECHO_BYTES_MAX, MEMORY_DIGEST_BYTES};
@@ -14,6 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 /// Longest refusal message expected: the field, the reason and a clipped echo.
 const REFUSAL_BYTES_MAX: usize = 4 * ECHO_BYTES_MAX + 200;
+/// How long a request may take to be answered before a test gives up on it.
+const WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 /// Far over every bound: 1 MB.
 const HUGE_BYTES: usize = 1_000_000;
 
@@ -134,4 +137,71 @@ async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
     assert!(message.contains(&format!("\"{}\"…", &unknown[..ECHO_BYTES_MAX])), "{message}");
     assert!(!message.contains(&unknown), "{message}");
     assert_refused(error, "agent_id", last_before, log.last_seq().await.expect("last seq"));
+}
+
+/// Every ingest and command checks that its agent is registered before it appends. The fold
+/// holds the state lock while it reads state back from the checkpoint store (tens of
+/// milliseconds when the store is writing), so the check reads no state: an observation for a
+/// registered agent reaches the log while the lock is held, and one for an agent nobody
+/// registered is still refused before the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_check_before_the_log_does_not_wait_for_the_folds_state() {
+    let fixture = fixture().await;
+    let log = fixture.engine.log().clone();
+    let observation = |agent: &str, ts: &str| SlackObservation {
+        receiving_agent_ids: vec![agent.into()],
+        message: proto::SlackMessageObserved {
+            kind: proto::SlackDeliveryKind::Message as i32,
+            team_id: "T1".into(),
+            channel_id: "D1".into(),
+            ts: ts.into(),
+            user_id: "U1".into(),
+            text: "hello".into(),
+            ..Default::default()
+        },
+        occurred_at_ms: 1_700_000_000_000,
+    };
+    let last_before = log.last_seq().await.expect("last seq");
+    // Given the state lock held, as the fold holds it through a slow read. The holder lets go
+    // on its own after WAIT (tokio's timers cannot fire while requests block both workers), and
+    // says whether the test released it first.
+    let (locked, is_locked) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let projection = fixture.engine.projection().clone();
+        std::thread::spawn(move || {
+            let _state = projection.state();
+            locked.send(()).expect("the test waits");
+            released.recv_timeout(WAIT).is_ok()
+        })
+    };
+    is_locked.recv().expect("the lock is held");
+    // When a connector hands in a message for ada (registered) and one for nobody's agent,
+    let ingest = |agent: &str, ts: &str| {
+        let engine = fixture.engine.clone();
+        let message = observation(agent, ts);
+        tokio::spawn(async move { engine.ingest_slack(message).await })
+    };
+    let ingesting = ingest("ada", "1700000000.000100");
+    let refusing = ingest("nobody", "1700000000.000200");
+    // Then ada's reaches the log with the lock still held (its verdict waits for the fold)
+    let reached = tokio::time::timeout(WAIT, async {
+        while log.last_seq().await.expect("last seq") == last_before {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let refused = tokio::time::timeout(WAIT, refusing).await;
+    // (The holder may have let go on its own already.)
+    let _ = release.send(());
+    let held_throughout = holder.join().expect("the holder ends");
+    reached.expect("ada's message is appended");
+    assert!(held_throughout, "ada's message reached the log only once the fold let go of its state");
+    let ingested = ingesting.await.expect("join").expect("ada's message is journaled once the fold goes on");
+    assert_eq!(ingested[0].seq, last_before + 1);
+    // and the other is refused, naming the agent, with nothing appended for it.
+    let refused = refused.expect("the unknown agent is answered while the fold holds its state");
+    let error = refused.expect("join").expect_err("an unknown agent is refused");
+    assert!(matches!(&error, CommandError::InvalidArgument { field: "receiving_agent_ids", .. }), "{error:?}");
+    assert_eq!(log.last_seq().await.expect("last seq"), last_before + 1, "only ada's message is in the log");
 }
