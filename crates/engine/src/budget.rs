@@ -1,7 +1,7 @@
 //! The fold state's share of the memory budget, moved by what the process really takes.
 //!
-//! The state's own estimate counts its entries at sizes measured with a counting allocator (see
-//! `State::memory_estimate_bytes`), but the process holds more than the state and the three
+//! The state's own estimate counts most of its entries at sizes measured with a counting
+//! allocator (see `State::memory_estimate_bytes`), but the process holds more than the state and the three
 //! caches: the allocator's slack, the stores' bookkeeping, request buffers. Those
 //! grow with load and with the stores, and no setting bounds them. So after each landed
 //! checkpoint the runner reads the process's resident memory, and when it is over nine tenths of

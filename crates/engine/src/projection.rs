@@ -120,7 +120,7 @@ pub struct Projection {
     /// The agents the fold has registered (it never removes one), kept beside the state so that
     /// the check every ingest and command makes before it appends ([`Projection::is_registered`])
     /// does not wait for the state lock: the fold holds that lock while it reads state back from
-    /// the checkpoint store, 20–27 ms every few seconds under `anima-load` (README, stop 58).
+    /// the checkpoint store, 20–41 ms about every 7.5 s under `anima-load` (README, stop 58).
     registered: RwLock<HashSet<String>>,
 }
 

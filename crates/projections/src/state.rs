@@ -235,8 +235,8 @@ pub struct State {
 /// map's share), for [`State::memory_estimate_bytes`]. Measured with a counting allocator
 /// (`benches/state_memory.rs`: each table dropped alone, on the benchmarks' generated mix of
 /// 100,000 events), rounded; the tables that mix does not fill (Linear, chat kinds, DM members)
-/// are counted at [`COLD_ENTRY_BYTES_UNMEASURED`]. A map's share depends on how
-/// full its power-of-two table is, so a table's figure moves by up to a half with its length.
+/// are counted at [`COLD_ENTRY_BYTES_UNMEASURED`]. A map's share of an entry depends on how full
+/// its table is (its capacity doubles), so a table's figure moves with its length.
 fn cold_entry_bytes(tag: u8) -> usize {
     match tag {
         JOURNAL_ROWS_TAG => 230,

@@ -1,6 +1,7 @@
 //! Bad input answered well at the engine's edge: a refusal names the field, repeats at most a
 //! clipped part of the value (so it never outgrows gRPC's metadata limit and arrives as the
-//! refusal it is), and appends nothing.
+//! refusal it is), and appends nothing. The check of a request's agent reads no fold state, so
+//! it answers while the fold holds its lock.
 
 use std::sync::Arc;
 
