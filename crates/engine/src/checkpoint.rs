@@ -70,7 +70,12 @@ const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
 /// Under `anima-load` (embedded, 300 s, one run each) the calls that took 100 ms or more fell
 /// from 2,715 with 64 MiB tables to 201 with 8 MiB, and a variant that merged four times less
 /// often but as much each time (16 tables waiting instead of 4) had 3,868 (README, "The
-/// checkpoint store"); 4 MiB with the 8 MiB memtables above (stop 47).
+/// checkpoint store"); 4 MiB with the 8 MiB memtables above (stop 47). A merge finishes its
+/// last table (index, filter, the file's sync) while it holds the lock every read of the tree
+/// takes (lsm-tree 3.1.10), so the fold's reads back wait up to a table's sync: with 1 MiB
+/// tables a 300 s embedded run had 11 holds of the state lock of 20 ms or more against 83 with
+/// 4 MiB, but the store's one worker fell behind and the engine's RSS grew past its budget
+/// (1.58 GiB at the end, +67% over the last half; stop 59).
 const TABLE_BYTES: u64 = 4 * 1024 * 1024;
 /// How long [`CheckpointStore::write_out_memtable`] waits at most for fjall to write out what
 /// was sealed and delete the journal it replaced: milliseconds on an idle machine, longer when

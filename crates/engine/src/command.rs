@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anima_projections::journal::{RowBody, RowMeta};
 use anima_projections::proto::{self, envelope::Payload};
+use anima_projections::state::Halt;
 use anima_projections::surface::{
     chat_message_identity, linear_receipt_identity, slack_message_identity, LinearReceiptKind, SurfaceId,
 };
@@ -23,6 +24,7 @@ use uuid::Uuid;
 use crate::clock::{Clock, SystemClock};
 use crate::log::{AppendOutcome, AppendRecord, EventLog, LogError};
 use crate::projection::Projection;
+use crate::recent_verdicts::Recent;
 use crate::subject::Subjects;
 use crate::validate::{self, invalid};
 
@@ -239,19 +241,16 @@ impl Engine {
             .wait_applied(seq, self.config.verdict_wait)
             .await
             .map_err(|e| CommandError::Unavailable(e.to_string()))?;
-        let state = self.projection.state();
-        if let Some(halt) = state.halted_at_or_before(seq) {
-            return Err(CommandError::FailedPrecondition(format!(
-                "this instance stopped deciding at seq {}: {}",
-                halt.seq, halt.reason
-            )));
-        }
-        match state.verdict(seq) {
-            Some(Verdict::Refused(refusal)) => Err(CommandError::Refused(refusal.clone())),
-            Some(verdict) => Ok(verdict.clone()),
-            None => Err(CommandError::FailedPrecondition(format!(
-                "no verdict is kept for seq {seq} (too old, or not a request); send a new request"
-            ))),
+        // Without the state lock when the verdict is recent, as it is for nearly every request:
+        // the fold may be holding the lock through its next batch.
+        match self.projection.recent_verdict(seq) {
+            Recent::Halted(halt) => answer(seq, Some(&halt), None),
+            Recent::Verdict(kept) => answer(seq, None, kept.get()),
+            Recent::NoVerdict => answer(seq, None, None),
+            Recent::NotKept => {
+                let state = self.projection.state();
+                answer(seq, state.halted_at_or_before(seq), state.verdict(seq))
+            }
         }
     }
 
@@ -1000,6 +999,23 @@ fn request_agent(payload: &Payload) -> Option<&str> {
     })
 }
 
+/// The answer to a request whose event is at `seq`, from the fold's halt (if it stopped at or
+/// before `seq`) and the verdict it kept for `seq`.
+fn answer(seq: u64, halt: Option<&Halt>, verdict: Option<&Verdict>) -> Result<Verdict, CommandError> {
+    if let Some(halt) = halt {
+        return Err(CommandError::FailedPrecondition(format!(
+            "this instance stopped deciding at seq {}: {}",
+            halt.seq, halt.reason
+        )));
+    }
+    match verdict {
+        Some(Verdict::Refused(refusal)) => Err(CommandError::Refused(refusal.clone())),
+        Some(verdict) => Ok(verdict.clone()),
+        None => Err(CommandError::FailedPrecondition(format!(
+            "no verdict is kept for seq {seq} (too old, or not a request); send a new request"
+        ))),
+    }
+}
 pub(crate) fn unexpected(verdict: Verdict) -> CommandError {
     CommandError::FailedPrecondition(format!("the fold recorded an unexpected verdict: {verdict:?}"))
 }

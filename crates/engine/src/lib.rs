@@ -15,6 +15,7 @@ pub mod log;
 pub mod memory;
 pub mod metrics;
 pub mod projection;
+pub mod recent_verdicts;
 pub mod redo;
 pub mod replay;
 pub mod startup_pages;

@@ -24,6 +24,7 @@ use crate::analytics::MaintainedAnalytics;
 use crate::budget::{self, StateShare};
 use crate::checkpoint::{CheckpointStore, ColdReads, StoredCold};
 use crate::log::{EventLog, LogError, StoredRecord};
+use crate::recent_verdicts::{Recent, RecentVerdicts};
 use anima_projections::cold::Cold;
 
 /// Tuning of the runner. Every bound has a unit in its name.
@@ -122,6 +123,9 @@ pub struct Projection {
     /// does not wait for the state lock: the fold holds that lock while it reads state back from
     /// the checkpoint store, 20–41 ms about every 7.5 s under `anima-load` (README, stop 58).
     registered: RwLock<HashSet<String>>,
+    /// The verdicts of the newest applied events, so that a request whose event is applied
+    /// reads its verdict without waiting for the state lock ([`Projection::recent_verdict`]).
+    recent: Mutex<RecentVerdicts>,
 }
 
 /// A hold of the state lock this long or longer is logged (debug), with where it was taken: the
@@ -190,6 +194,14 @@ impl Projection {
     /// Whether the fold has registered `agent` (as of the last batch it applied).
     pub fn is_registered(&self, agent: &str) -> bool {
         self.registered.read().unwrap_or_else(|poisoned| poisoned.into_inner()).contains(agent)
+    }
+
+    /// What the newest applied batches decided about `seq`, which the fold has applied, without
+    /// the state lock: the fold holds that lock through a whole batch, tens of milliseconds
+    /// when the batch reads state back while the checkpoint store installs a new version.
+    /// [`Recent::NotKept`] sends the caller to the state.
+    pub fn recent_verdict(&self, seq: u64) -> Recent {
+        self.recent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get(seq)
     }
 
     /// The state's memory by its own estimate (bytes, as of the runner's last look: at start and
@@ -343,6 +355,7 @@ impl Runner {
             cold_reads,
             restore_took,
             registered,
+            recent: Mutex::new(RecentVerdicts::default()),
         });
         let supervised = projection.clone();
         let task = tokio::spawn(async move {
@@ -616,7 +629,9 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
         })
         .collect();
     let cold_before = projection.cold_reads();
-    let last = {
+    let applied_before = projection.applied_seq();
+    let mut verdicts = Vec::with_capacity(batch.len());
+    let (last, halted) = {
         let mut state = projection.state();
         let mut analytics = projection.analytics();
         for (record, (envelope, event)) in batch.iter().zip(decoded) {
@@ -630,7 +645,11 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 }
                 Err(_) => state.apply_bytes(at, record.payload.as_ref()),
             }
-            analytics.observe_redacted(event, state.verdict(record.seq));
+            let kept = state.verdicts.get(record.seq);
+            analytics.observe_redacted(event, kept.and_then(|kept| kept.get()));
+            if let Some(kept) = kept {
+                verdicts.push((record.seq, kept.clone()));
+            }
         }
         if !registering.is_empty() {
             let mut registered = projection.registered.write().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -649,7 +668,7 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
                 "slow fold batch"
             );
         }
-        batch.last().map(|r| r.seq)
+        (batch.last().map(|r| r.seq), state.meta.halted.clone())
     };
     if !bodies.is_empty() {
         let mut cache = projection.bodies.lock().unwrap_or_else(|p| p.into_inner());
@@ -657,7 +676,14 @@ fn apply_batch(projection: &Projection, batch: &[StoredRecord]) {
             cache.insert(seq, body);
         }
     }
-    if let Some(last) = last {
+    if let (Some(first), Some(last)) = (batch.first(), last) {
+        // Before the applied seq moves: a request that sees its seq applied finds its verdict.
+        projection.recent.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).publish(
+            first.seq.max(applied_before + 1),
+            last,
+            verdicts,
+            halted.as_ref(),
+        );
         projection.applied.send_replace(last);
     }
 }

@@ -140,16 +140,9 @@ async fn refusals_repeat_only_a_clipped_part_of_a_huge_value() {
     assert_refused(error, "agent_id", last_before, log.last_seq().await.expect("last seq"));
 }
 
-/// Every ingest and command checks that its agent is registered before it appends. The fold
-/// holds the state lock while it reads state back from the checkpoint store (tens of
-/// milliseconds when the store is writing), so the check reads no state: an observation for a
-/// registered agent reaches the log while the lock is held, and one for an agent nobody
-/// registered is still refused before the log.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_agent_check_before_the_log_does_not_wait_for_the_folds_state() {
-    let fixture = fixture().await;
-    let log = fixture.engine.log().clone();
-    let observation = |agent: &str, ts: &str| SlackObservation {
+/// A message from U1 in ada's DM D1, at `ts`, for `agent`.
+fn observation(agent: &str, ts: &str) -> SlackObservation {
+    SlackObservation {
         receiving_agent_ids: vec![agent.into()],
         message: proto::SlackMessageObserved {
             kind: proto::SlackDeliveryKind::Message as i32,
@@ -161,23 +154,39 @@ async fn the_agent_check_before_the_log_does_not_wait_for_the_folds_state() {
             ..Default::default()
         },
         occurred_at_ms: 1_700_000_000_000,
-    };
-    let last_before = log.last_seq().await.expect("last seq");
-    // Given the state lock held, as the fold holds it through a slow read. The holder lets go
-    // on its own after WAIT (tokio's timers cannot fire while requests block both workers), and
-    // says whether the test released it first.
+    }
+}
+
+/// Holds the state lock on a thread of its own, as the fold holds it through a slow read back
+/// from the checkpoint store, and returns once it is held. The holder lets go when told to, or
+/// on its own after WAIT (tokio's timers cannot fire while requests block both workers on the
+/// lock); joining it says whether it was told to.
+fn hold_state_lock(engine: &Engine) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<bool>) {
     let (locked, is_locked) = std::sync::mpsc::channel();
     let (release, released) = std::sync::mpsc::channel::<()>();
-    let holder = {
-        let projection = fixture.engine.projection().clone();
-        std::thread::spawn(move || {
-            let _state = projection.state();
-            locked.send(()).expect("the test waits");
-            released.recv_timeout(WAIT).is_ok()
-        })
-    };
+    let projection = engine.projection().clone();
+    let holder = std::thread::spawn(move || {
+        let _state = projection.state();
+        locked.send(()).expect("the test waits");
+        released.recv_timeout(WAIT).is_ok()
+    });
     is_locked.recv().expect("the lock is held");
-    // When a connector hands in a message for ada (registered) and one for nobody's agent,
+    (release, holder)
+}
+
+/// Every ingest and command checks that its agent is registered before it appends. The fold
+/// holds the state lock while it reads state back from the checkpoint store (tens of
+/// milliseconds when the store is writing), so the check reads no state: an observation for a
+/// registered agent reaches the log while the lock is held, and one for an agent nobody
+/// registered is still refused before the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_check_before_the_log_does_not_wait_for_the_folds_state() {
+    let fixture = fixture().await;
+    let log = fixture.engine.log().clone();
+    let last_before = log.last_seq().await.expect("last seq");
+    // Given the state lock held, as the fold holds it through a slow read,
+    let (release, holder) = hold_state_lock(&fixture.engine);
+    // when a connector hands in a message for ada (registered) and one for nobody's agent,
     let ingest = |agent: &str, ts: &str| {
         let engine = fixture.engine.clone();
         let message = observation(agent, ts);
@@ -205,4 +214,28 @@ async fn the_agent_check_before_the_log_does_not_wait_for_the_folds_state() {
     let error = refused.expect("join").expect_err("an unknown agent is refused");
     assert!(matches!(&error, CommandError::InvalidArgument { field: "receiving_agent_ids", .. }), "{error:?}");
     assert_eq!(log.last_seq().await.expect("last seq"), last_before + 1, "only ada's message is in the log");
+}
+
+/// A request whose event the fold has already applied reads its verdict without the state
+/// lock: the fold holds that lock through its next batch, and a request waiting for it held a
+/// tokio worker too (two such requests stopped every call of a 2-core engine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_fold_has_applied_is_answered_while_the_fold_holds_its_state() {
+    let fixture = fixture().await;
+    let message = observation("ada", "1700000000.000100");
+    let first = fixture.engine.ingest_slack(message.clone()).await.expect("ada's message is journaled");
+    // Given the state lock held, as the fold holds it through a slow read,
+    let (release, holder) = hold_state_lock(&fixture.engine);
+    // when the connector retries the message (same content, same event id: the log dedupes it),
+    let engine = fixture.engine.clone();
+    let retry = tokio::time::timeout(WAIT, tokio::spawn(async move { engine.ingest_slack(message).await })).await;
+    let _ = release.send(());
+    let held_throughout = holder.join().expect("the holder ends");
+    // then it is answered with the lock still held, with the first delivery's verdict.
+    assert!(held_throughout, "the retry was answered only once the fold let go of its state");
+    let retried = retry.expect("answered in time").expect("join").expect("the retry is answered");
+    assert_eq!(retried.len(), 1);
+    assert!(retried[0].duplicate_event);
+    assert_eq!(retried[0].seq, first[0].seq);
+    assert_eq!(retried[0].journal, first[0].journal);
 }
