@@ -1016,6 +1016,7 @@ fn answer(seq: u64, halt: Option<&Halt>, verdict: Option<&Verdict>) -> Result<Ve
         ))),
     }
 }
+
 pub(crate) fn unexpected(verdict: Verdict) -> CommandError {
     CommandError::FailedPrecondition(format!("the fold recorded an unexpected verdict: {verdict:?}"))
 }
