@@ -91,14 +91,6 @@ impl RecentVerdicts {
             Err(_) => Recent::NoVerdict,
         }
     }
-
-    pub fn len(&self) -> usize {
-        self.kept.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.kept.is_empty()
-    }
 }
 
 #[cfg(test)]
@@ -139,14 +131,14 @@ mod tests {
         let mut recent = RecentVerdicts::default();
         let count = RECENT_VERDICTS_MAX as u64 + 10;
         recent.publish(1, count, (1..=count).map(|seq| (seq, kept(seq))).collect(), None);
-        assert_eq!(recent.len(), RECENT_VERDICTS_MAX);
+        assert_eq!(recent.kept.len(), RECENT_VERDICTS_MAX);
         assert!(matches!(recent.get(10), Recent::NotKept));
         assert_eq!(reason(recent.get(11)), "event 11");
         assert_eq!(reason(recent.get(count)), format!("event {count}"));
         // Seqs far behind the newest are the state's to answer, verdict or not.
         let far = count + RECENT_SEQS_SPAN + 5;
         recent.publish(count + 1, far, vec![(far, kept(far))], None);
-        assert_eq!(recent.len(), 1);
+        assert_eq!(recent.kept.len(), 1);
         assert!(matches!(recent.get(count), Recent::NotKept));
         assert!(matches!(recent.get(far - RECENT_SEQS_SPAN), Recent::NotKept));
         assert!(matches!(recent.get(far - RECENT_SEQS_SPAN + 1), Recent::NoVerdict));
